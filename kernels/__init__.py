@@ -1,0 +1,1 @@
+"""Attention and other hot ops; one module per backend, each tested against the torch reference."""

@@ -1,0 +1,87 @@
+"""Wire messages between the scheduler and the workers.
+
+A `BatchPlan` is a diff: a request's prompt, sampling parameters and seed travel once
+(in `NewSeq`) when it is first scheduled (or re-scheduled after a recompute
+preemption); after that each iteration carries only which tokens to compute, the
+new block ids, and the token sampled in the previous iteration.
+
+All structs are `array_like` (compact msgpack arrays) and `omit_defaults`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from sarazmq.sampling_params import SamplingParams
+
+
+class NewSeq(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A sequence the workers have not seen (or must rebuild after preemption).
+
+    token_ids: every token known so far (prompt, plus outputs when recomputing).
+    num_prompt_tokens: how many of token_ids are the original prompt (penalties and
+        logprobs treat prompt and output differently).
+    seed: sampling seed; with the output index it fixes the random draw of every step.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Compute positions [start_pos, start_pos + num_tokens) of one sequence this step.
+
+    append_token_ids: tokens the worker does not know yet (the one sampled last step),
+        appended to its history before computing.
+    new_block_ids: KV blocks appended to the sequence's block table.
+    sample: whether the last computed position yields a new token (end of prefill or
+        decode); a mid-prompt chunk does not sample.
+    """
+
+    seq_id: int
+    start_pos: int
+    num_tokens: int
+    append_token_ids: list[int] = []
+    new_block_ids: list[int] = []
+    sample: bool = True
+
+
+class BatchPlan(msgspec.Struct, array_like=True, omit_defaults=True, tag="plan"):
+    """One iteration's hybrid batch: what every worker runs this step."""
+
+    step: int
+    new_seqs: list[NewSeq] = []
+    scheduled: list[ScheduledSeq] = []
+    # sequences the workers must forget (finished, aborted or preempted)
+    freed_seq_ids: list[int] = []
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprob of the sampled token and the top-N alternatives."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class StepResult(msgspec.Struct, array_like=True, omit_defaults=True, tag="result"):
+    """What rank 0 sends back: one sampled token per scheduled sequence with sample=True."""
+
+    step: int
+    seq_ids: list[int] = []
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    forward_s: float = 0.0
+    error: str = ""
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    """Tells a worker to exit its loop."""
+
+    reason: str = ""
+
+
+WorkerInbound = BatchPlan | Shutdown
