@@ -96,7 +96,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     num_threads: int = 0

@@ -1,0 +1,214 @@
+"""The in-process engine (offline use and tests) and the `LLM` API on top of it.
+
+`LLMEngine` composes the same socket-free classes the deployment runs in separate
+processes: `TokenizerManager` (frontend), `Scheduler`, `ModelRunner` (worker rank 0)
+and `DetokenizerManager`. One `step()` is one iteration: plan, execute, update, detokenize.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.detokenizer import DetokenizerManager
+from sarazmq.model.loader import load_tokenizer, resolve_model
+from sarazmq.outputs import RequestOutput
+from sarazmq.resolve import resolve_engine_config
+from sarazmq.sampling_params import SamplingParams
+from sarazmq.scheduler import Scheduler
+from sarazmq.tokenizer_manager import TokenizerManager
+from sarazmq.worker import build_model_runner
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    """Single-process engine: one model runner, the scheduler, detokenization, in one loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("the in-process engine runs tp=1; use `sarazmq serve --tp N`")
+        self.config, self.model_config = resolve_engine_config(config)
+        tokenizer = load_tokenizer(resolve_model(self.config.model))
+        self.tokenizer = TokenizerManager(
+            tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len
+        )
+        self.runner = build_model_runner(self.config, self.model_config)
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            block_size=self.config.cache.block_size,
+            num_blocks=self.config.cache.num_blocks,
+            max_model_len=self.config.scheduler.max_model_len,
+            eos_token_ids=self.model_config.eos_token_ids,
+            clock=time.monotonic,
+        )
+        self.detokenizer = DetokenizerManager(tokenizer)
+        self.outputs: dict[str, RequestOutput] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queues a request; raises ValueError (naming the problem) for bad input."""
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenizer.encode(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduler.add_request(request_id, ids, params, arrival_time=arrival)
+        self.detokenizer.add(request_id, ids, params)
+        self.outputs[request_id] = RequestOutput(
+            request_id=request_id, prompt_token_ids=ids, arrival_time=arrival
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns the outputs of the requests that changed."""
+        deltas = list(self.scheduler.drain_finished())
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            result = self.runner.execute(plan)
+            deltas.extend(self.scheduler.process_result(result))
+        changed: list[RequestOutput] = []
+        for delta in deltas:
+            text_out = self.detokenizer.process(delta)
+            if text_out.stop_string_hit and not delta.finish_reason:
+                self.scheduler.finish_by_stop_string(delta.request_id)
+            out = self.outputs.get(delta.request_id)
+            if out is None:
+                continue
+            out.token_ids.extend(delta.new_token_ids)
+            out.text += text_out.text
+            out.token_times.extend(delta.token_times)
+            out.logprobs.extend(delta.logprobs)
+            out.first_scheduled_time = delta.first_scheduled_time
+            out.num_preemptions = delta.num_preemptions
+            if text_out.finish_reason:
+                out.finish_reason = text_out.finish_reason
+            changed.append(out)
+            if out.finish_reason:
+                del self.outputs[delta.request_id]
+        return changed
+
+
+class LLM:
+    """Offline generation: `LLM(model=...).generate(prompts, params)`.
+
+    All prompts of one call are admitted together, so their prefill chunks and
+    decodes share iterations exactly as in serving.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        scheduler: str = "sarathi",
+        chunk_size: int = 256,
+        max_num_seqs: int = 64,
+        dtype: str = "float32",
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int = 0,
+        max_model_len: int = 0,
+        attention_backend: str = "auto",
+        device: str = "auto",
+        num_threads: int = 0,
+        seed: int = 0,
+        watermark: float = 0.01,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            num_threads=num_threads,
+            seed=seed,
+            scheduler=SchedulerConfig(
+                policy=scheduler,
+                chunk_size=chunk_size,
+                max_num_seqs=max_num_seqs,
+                watermark=watermark,
+                max_model_len=max_model_len,
+            ),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in input order.
+
+        A prompt that is invalid on its own (empty, too long, bad token ids) gets an
+        output with finish_reason="error" and `error` naming the problem; the other
+        prompts of the call run normally.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run([(p, None) for p in prompts], params)  # type: ignore[union-attr]
+
+    def chat(
+        self,
+        conversations: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation and generates the reply."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        items: list[tuple[Prompt, list[int] | None | str]] = []
+        for conv in conversations:
+            try:
+                items.append(("", self.engine.tokenizer.apply_chat_template(conv)))  # type: ignore[arg-type]
+            except ValueError as e:
+                items.append(("", str(e)))
+        return self._run(items, params)
+
+    def _run(
+        self,
+        items: Sequence[tuple[Prompt, list[int] | None | str]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            per_request = [params] * len(items)
+        else:
+            per_request = list(params)
+            if len(per_request) != len(items):
+                raise ValueError(
+                    f"got {len(per_request)} SamplingParams for {len(items)} prompts"
+                )
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for (prompt, pre), p in zip(items, per_request):
+            rid = f"offline-{next(self._ids)}"
+            order.append(rid)
+            try:
+                if isinstance(pre, str):
+                    raise ValueError(pre)
+                self.engine.add_request(rid, prompt, p, prompt_token_ids=pre)
+            except ValueError as e:
+                results[rid] = RequestOutput(request_id=rid, finish_reason="error", error=str(e))
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in order]

@@ -1,0 +1,136 @@
+"""Worker-side execution of a `BatchPlan`: per-sequence state, input tensors, forward, sampling.
+
+The runner is socket-free: the in-process engine calls `execute` directly and the
+worker process wraps it in a receive/send loop. Each tensor-parallel rank has its own
+runner over its own model shard and KV cache; only the driver (rank 0) samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sarazmq.kernels.metadata import AttentionMetadata
+from sarazmq.messages import BatchPlan, StepResult
+from sarazmq.sampler import Sampler, SamplingSeq
+from sarazmq.sampling_params import SamplingParams
+
+
+class PlanError(RuntimeError):
+    """A plan disagrees with the worker's view of a sequence (a scheduler/worker bug)."""
+
+
+@dataclass
+class SeqState:
+    """What a worker remembers about one sequence between iterations."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class ModelRunner:
+    """Runs one forward pass per plan over the hybrid batch it describes."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        sampler: Sampler | None,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        # None on non-driver tensor-parallel ranks: they compute but never sample
+        self.sampler = sampler
+        self.device = device
+        self.seqs: dict[int, SeqState] = {}
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        """Applies the plan's diff to the sequence states, runs the batch, samples."""
+        t0 = time.perf_counter()
+        for seq_id in plan.freed_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self.seqs[new.seq_id] = SeqState(
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                params=new.params,
+                seed=new.seed,
+            )
+        if not plan.scheduled:
+            return StepResult(step=plan.step)
+
+        # Decodes (one token) first, so the attention backend can batch them.
+        order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i].num_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        q_lens: list[int] = []
+        k_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # row in the packed batch whose logits are sampled
+        sample_seq_ids: list[int] = []
+        for i in order:
+            item = plan.scheduled[i]
+            state = self.seqs.get(item.seq_id)
+            if state is None:
+                raise PlanError(f"step {plan.step}: unknown seq_id {item.seq_id}")
+            if item.start_pos != state.num_computed:
+                raise PlanError(
+                    f"step {plan.step}: seq {item.seq_id} start_pos {item.start_pos} != "
+                    f"computed {state.num_computed}"
+                )
+            state.token_ids.extend(item.append_token_ids)
+            state.block_ids.extend(item.new_block_ids)
+            end = item.start_pos + item.num_tokens
+            if end > len(state.token_ids):
+                raise PlanError(
+                    f"step {plan.step}: seq {item.seq_id} asks for positions up to {end} but "
+                    f"only {len(state.token_ids)} tokens are known"
+                )
+            input_ids.extend(state.token_ids[item.start_pos : end])
+            positions.extend(range(item.start_pos, end))
+            q_lens.append(item.num_tokens)
+            k_lens.append(end)
+            tables.append(state.block_ids)
+            if item.sample:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seq_ids.append(item.seq_id)
+            state.num_computed = end
+
+        meta = AttentionMetadata.build(q_lens, k_lens, tables, self.block_size, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        with torch.inference_mode():
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
+            if self.sampler is None or not sample_rows:
+                return StepResult(step=plan.step, forward_s=time.perf_counter() - t0)
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
+            seqs = [self._sampling_seq(self.seqs[s]) for s in sample_seq_ids]
+            token_ids, logprobs = self.sampler.sample(logits, seqs)
+        return StepResult(
+            step=plan.step,
+            seq_ids=sample_seq_ids,
+            token_ids=token_ids,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
+            forward_s=time.perf_counter() - t0,
+        )
+
+    @staticmethod
+    def _sampling_seq(state: SeqState) -> SamplingSeq:
+        return SamplingSeq(
+            params=state.params,
+            seed=state.seed,
+            output_index=len(state.token_ids) - state.num_prompt_tokens,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=state.token_ids[state.num_prompt_tokens :],
+        )
+

@@ -1,0 +1,48 @@
+"""Building a worker's model runner from a resolved config (in-process or in a worker process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sarazmq.config import EngineConfig, ModelConfig
+from sarazmq.kernels import select_attention_backend
+from sarazmq.model.llama import allocate_kv_cache
+from sarazmq.model.loader import load_model, resolve_model
+from sarazmq.model_runner import ModelRunner
+from sarazmq.sampler import Sampler
+
+
+def build_model_runner(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    rank: int = 0,
+    tp_group: Any = None,
+) -> ModelRunner:
+    """Loads this rank's model shard and KV cache; rank 0 also gets the sampler."""
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    device = torch.device(config.device)
+    dtype = getattr(torch, config.dtype)
+    attention = select_attention_backend(config.attention_backend, device, config.cache.block_size)
+    model = load_model(
+        resolve_model(config.model),
+        model_config,
+        dtype,
+        device,
+        attention,
+        tp_rank=rank,
+        tp_size=config.tensor_parallel_size,
+        tp_group=tp_group,
+    )
+    kv_caches = allocate_kv_cache(
+        model_config,
+        config.cache.num_blocks,
+        config.cache.block_size,
+        dtype,
+        device,
+        config.tensor_parallel_size,
+    )
+    sampler = Sampler(model_config.eos_token_ids) if rank == 0 else None
+    return ModelRunner(model, kv_caches, config.cache.block_size, sampler, device)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets everything up (scripts/setup.sh) and runs the test suite. Extra args go to pytest.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$here/scripts/setup.sh"
+venv="${VENV:-$here/.venv}"
+cd "$here"
+"$venv/bin/ruff" check sarazmq kernels procs tests scripts
+exec "$venv/bin/python" -m pytest -q "$@"
