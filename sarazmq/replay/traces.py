@@ -146,9 +146,7 @@ def read_sharegpt(path: str | Path) -> list[TraceRow]:
             rows.append(
                 TraceRow(
                     arrival_s=None,
-                    input_tokens=_parse_int(
-                        rec["num_prefill_tokens"], "num_prefill_tokens", where
-                    ),
+                    input_tokens=_parse_int(rec["num_prefill_tokens"], "num_prefill_tokens", where),
                     output_tokens=_parse_int(rec["num_decode_tokens"], "num_decode_tokens", where),
                 )
             )

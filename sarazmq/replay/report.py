@@ -1,0 +1,490 @@
+"""Outputs of a replay: JSON summary, CSV records, PNG plots, console tables.
+
+Plots use matplotlib's object API (`Figure` rendered by the Agg canvas), never pyplot,
+so no global backend or figure registry is touched and nothing needs a display.
+
+In the CSV files and plots every time is relative to the run's first arrival, so that
+the numbers read as "seconds into the run" whatever the monotonic clock's origin.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from sarazmq.replay.metrics import IterationSample, RequestRecord, request_metrics
+
+SUMMARY_JSON = "summary.json"
+REQUESTS_CSV = "requests.csv"
+ITERATIONS_CSV = "iterations.csv"
+TBT_CDF_PNG = "tbt_cdf.png"
+TTFT_CDF_PNG = "ttft_cdf.png"
+TOKENS_OVER_TIME_PNG = "tokens_over_time.png"
+ITERATION_TOKENS_PNG = "iteration_tokens.png"
+COMPARISON_JSON = "comparison.json"
+COMPARISON_TXT = "comparison.txt"
+COMPARE_TBT_CDF_PNG = "compare_tbt_cdf.png"
+COMPARE_TTFT_CDF_PNG = "compare_ttft_cdf.png"
+
+# Latency distributions shown in the tables: (summary key, label). Values are seconds in
+# the summary and milliseconds on screen.
+LATENCY_ROWS = (
+    ("ttft_s", "TTFT"),
+    ("tbt_s", "TBT"),
+    ("tpot_s", "TPOT"),
+    ("e2e_s", "E2E latency"),
+    ("scheduling_delay_s", "sched delay"),
+    ("decode_stall_s", "decode stall"),
+)
+
+# Rows of the comparison table: (label, path into the summary, multiplier, lower is better).
+COMPARISON_ROWS: tuple[tuple[str, tuple[str, ...], float, bool], ...] = (
+    ("TTFT p50 (ms)", ("ttft_s", "p50"), 1e3, True),
+    ("TTFT p99 (ms)", ("ttft_s", "p99"), 1e3, True),
+    ("TBT p50 (ms)", ("tbt_s", "p50"), 1e3, True),
+    ("TBT p99 (ms)", ("tbt_s", "p99"), 1e3, True),
+    ("TBT max (ms)", ("tbt_s", "max"), 1e3, True),
+    ("TPOT p50 (ms)", ("tpot_s", "p50"), 1e3, True),
+    ("E2E p50 (s)", ("e2e_s", "p50"), 1.0, True),
+    ("E2E p99 (s)", ("e2e_s", "p99"), 1.0, True),
+    ("sched delay p50 (ms)", ("scheduling_delay_s", "p50"), 1e3, True),
+    ("decode stall p99 (ms)", ("decode_stall_s", "p99"), 1e3, True),
+    ("preemptions", ("total_preemptions",), 1.0, True),
+    ("requests/s", ("throughput", "requests_per_s"), 1.0, False),
+    ("input tok/s", ("throughput", "input_tokens_per_s"), 1.0, False),
+    ("output tok/s", ("throughput", "output_tokens_per_s"), 1.0, False),
+    ("goodput fraction", ("goodput", "fraction"), 1.0, False),
+    ("errors", ("num_errors",), 1.0, True),
+)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _get(summary: Mapping[str, Any], path: Sequence[str]) -> Any:
+    node: Any = summary
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or isinstance(value, int):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in (header, *rows)
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _t0(records: Sequence[RequestRecord], iterations: Sequence[IterationSample]) -> float:
+    """The run's time origin: its first arrival (or first iteration without requests)."""
+    starts = [r.arrival_s for r in records] or [it.start_s for it in iterations]
+    return min(starts) if starts else 0.0
+
+
+def _rel(value: float | None, t0: float) -> float | None:
+    return None if value is None else value - t0
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    # allow_nan=False: a NaN would make the file unreadable to strict JSON parsers.
+    path.write_text(json.dumps(data, indent=2, default=_json_default, allow_nan=False) + "\n")
+
+
+def _cdf_xy(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.sort(np.asarray(values, dtype=np.float64))  # [n]
+    y = np.arange(1, x.size + 1) / max(x.size, 1)  # [n]
+    return x, y
+
+
+def _plot_cdfs(path: Path, series: Mapping[str, Sequence[float]], xlabel: str, title: str) -> None:
+    fig = Figure(figsize=(6.4, 4.4), dpi=100)
+    ax = fig.add_subplot()
+    for name, values in series.items():
+        if len(values):
+            x, y = _cdf_xy(values)
+            ax.step(x, y, where="post", label=f"{name} (n={len(values)})")
+    if not any(len(v) for v in series.values()):
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(series) > 1 or any(len(v) for v in series.values()):
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def _plot_tokens_over_time(
+    path: Path,
+    records: Sequence[RequestRecord],
+    iterations: Sequence[IterationSample],
+    t0: float,
+    max_requests_shown: int = 12,
+) -> None:
+    """Top: output tokens completed over time (all requests); flat stretches are stalls.
+    Bottom: the token count of a few requests over time, with the iterations that ran
+    prefill marked, as in Sarathi-Serve's figure 1 (decode stalls behind prefills)."""
+    fig = Figure(figsize=(8.0, 6.4), dpi=100)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    times = np.sort(np.array([t for r in records for t in r.token_times_s]) - t0)  # [tokens]
+    if times.size:
+        top.step(times, np.arange(1, times.size + 1), where="post", lw=1.0)
+    top.set_ylabel("output tokens completed")
+    top.set_title("tokens completed over time")
+    top.grid(alpha=0.3)
+
+    shown = [r for r in records if len(r.token_times_s) >= 2]
+    if len(shown) > max_requests_shown:
+        pick = np.linspace(0, len(shown) - 1, max_requests_shown).round().astype(int)
+        shown = [shown[i] for i in pick]
+    for r in shown:
+        t = np.asarray(r.token_times_s) - t0
+        bottom.step(t, np.arange(1, t.size + 1), where="post", lw=1.0, label=r.request_id)
+    prefill_ends = [it.end_s - t0 for it in iterations if it.num_prefill_tokens > 0]
+    if prefill_ends:
+        bottom.vlines(
+            prefill_ends,
+            0,
+            1,
+            transform=bottom.get_xaxis_transform(),
+            colors="grey",
+            alpha=0.15,
+            lw=0.8,
+            label="iteration with prefill",
+        )
+    bottom.set_xlabel("time into run (s)")
+    bottom.set_ylabel("tokens of the request")
+    bottom.grid(alpha=0.3)
+    if shown:
+        bottom.legend(loc="upper left", fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def _plot_iteration_tokens(path: Path, iterations: Sequence[IterationSample], t0: float) -> None:
+    """Decode tokens and, stacked above them, prefill tokens of each iteration over the
+    iteration's span (idle time between iterations at zero): a token budget shows as a
+    flat ceiling, a prefill-prioritizing scheduler as tall prefill spikes."""
+    fig = Figure(figsize=(8.0, 4.4), dpi=100)
+    ax: Axes = fig.add_subplot()
+    its = sorted(iterations, key=lambda it: it.start_s)
+    start = np.array([it.start_s - t0 for it in its])  # [n]
+    end = np.array([it.end_s - t0 for it in its])  # [n]
+    prefill = np.array([it.num_prefill_tokens for it in its], dtype=np.float64)  # [n]
+    decode = np.array([it.num_decode_tokens for it in its], dtype=np.float64)  # [n]
+    if its and np.all(end >= start) and np.all(start[1:] >= end[:-1]):
+        # edges s0 e0 s1 e1 ...; values v0 0 v1 0 ... (zeros are the idle gaps)
+        edges = np.stack([start, end], axis=1).reshape(-1)  # [2n]
+        pad = np.zeros_like(decode)
+
+        def spans(v: np.ndarray) -> np.ndarray:
+            return np.stack([v, pad], axis=1).reshape(-1)[:-1]  # [2n-1]
+
+        ax.stairs(spans(decode), edges, fill=True, alpha=0.8, label="decode tokens")
+        ax.stairs(
+            spans(decode + prefill),
+            edges,
+            baseline=spans(decode),
+            fill=True,
+            alpha=0.8,
+            label="prefill tokens",
+        )
+        ax.legend(loc="upper right")
+    elif its:  # overlapping iterations (pipelined): points at each start
+        ax.plot(start, prefill, ".", ms=3, label="prefill tokens", alpha=0.7)
+        ax.plot(start, decode, ".", ms=3, label="decode tokens", alpha=0.7)
+        ax.legend(loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "no iterations", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("time into run (s)")
+    ax.set_ylabel("tokens in iteration")
+    ax.set_title("prefill vs decode tokens per iteration")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+# ---------------------------------------------------------------------------- one run
+
+REQUEST_COLUMNS = (
+    "request_id",
+    "arrival_s",
+    "server_arrival_s",
+    "first_scheduled_s",
+    "first_token_s",
+    "last_token_s",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "scheduling_delay_s",
+    "decode_stall_s",
+    "tbt_p99_s",
+    "client_ttft_s",
+    "client_e2e_s",
+    "num_preemptions",
+    "finish_reason",
+    "error",
+)
+ITERATION_COLUMNS = (
+    "step",
+    "start_s",
+    "end_s",
+    "duration_s",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_seqs",
+)
+
+
+def write_requests_csv(path: Path, records: Sequence[RequestRecord], t0: float) -> None:
+    """One row per request: its times (relative to t0) and derived metrics."""
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(REQUEST_COLUMNS)
+        for r in records:
+            m = request_metrics(r)
+            first = r.token_times_s[0] if r.token_times_s else None
+            last = r.token_times_s[-1] if r.token_times_s else None
+            values = (
+                r.request_id,
+                r.arrival_s - t0,
+                _rel(r.server_arrival_s, t0),
+                _rel(r.first_scheduled_s, t0),
+                _rel(first, t0),
+                _rel(last, t0),
+                r.num_prompt_tokens,
+                r.num_output_tokens,
+                m.ttft_s,
+                m.tpot_s,
+                m.e2e_s,
+                m.scheduling_delay_s,
+                m.decode_stall_s,
+                m.tbt_p99_s,
+                m.client_ttft_s,
+                m.client_e2e_s,
+                r.num_preemptions,
+                r.finish_reason or "",
+                r.error,
+            )
+            w.writerow(["" if v is None else v for v in values])
+
+
+def write_iterations_csv(path: Path, iterations: Sequence[IterationSample], t0: float) -> None:
+    """One row per scheduler iteration (times relative to t0)."""
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(ITERATION_COLUMNS)
+        for it in iterations:
+            w.writerow(
+                (
+                    it.step,
+                    it.start_s - t0,
+                    it.end_s - t0,
+                    it.duration_s,
+                    it.num_prefill_tokens,
+                    it.num_decode_tokens,
+                    it.num_seqs,
+                )
+            )
+
+
+def write_run(
+    output_dir: str | Path,
+    summary: Mapping[str, Any],
+    records: Sequence[RequestRecord],
+    iterations: Sequence[IterationSample],
+    *,
+    workload: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> dict[str, Path]:
+    """Write summary.json (the summary plus `workload` and engine `settings`),
+    requests.csv, iterations.csv and the four PNG plots into `output_dir` (created if
+    missing). Returns the written paths by short name."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = _t0(records, iterations)
+    paths = {
+        "summary": out / SUMMARY_JSON,
+        "requests": out / REQUESTS_CSV,
+        "iterations": out / ITERATIONS_CSV,
+        "tbt_cdf": out / TBT_CDF_PNG,
+        "ttft_cdf": out / TTFT_CDF_PNG,
+        "tokens_over_time": out / TOKENS_OVER_TIME_PNG,
+        "iteration_tokens": out / ITERATION_TOKENS_PNG,
+    }
+    _write_json(
+        paths["summary"],
+        {**summary, "workload": dict(workload or {}), "settings": dict(settings or {})},
+    )
+    write_requests_csv(paths["requests"], records, t0)
+    write_iterations_csv(paths["iterations"], iterations, t0)
+    per_req = [request_metrics(r) for r in records if r.ok]
+    tbts_ms = [g * 1e3 for m in per_req for g in m.tbts_s]
+    ttfts_ms = [m.ttft_s * 1e3 for m in per_req if m.ttft_s is not None]
+    _plot_cdfs(paths["tbt_cdf"], {"TBT": tbts_ms}, "time between tokens (ms)", "CDF of TBT")
+    _plot_cdfs(paths["ttft_cdf"], {"TTFT": ttfts_ms}, "time to first token (ms)", "CDF of TTFT")
+    _plot_tokens_over_time(paths["tokens_over_time"], records, iterations, t0)
+    _plot_iteration_tokens(paths["iteration_tokens"], iterations, t0)
+    return paths
+
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    """The run's summary as a console table (latencies in ms) plus throughput lines."""
+    rows = []
+    for key, label in LATENCY_ROWS:
+        d = summary.get(key) or {}
+        rows.append(
+            [label, str(d.get("count", 0))]
+            + [
+                _fmt(None if d.get(p) is None else d[p] * 1e3)
+                for p in ("mean", "p50", "p90", "p99", "max")
+            ]
+        )
+    text = [_table(["metric (ms)", "n", "mean", "p50", "p90", "p99", "max"], rows)]
+    tp = summary.get("throughput", {})
+    text.append(
+        f"requests: {summary.get('num_completed')}/{summary.get('num_requests')} completed, "
+        f"{summary.get('num_errors')} errors, {summary.get('total_preemptions')} preemptions, "
+        f"makespan {_fmt(summary.get('makespan_s'))} s"
+    )
+    text.append(
+        f"throughput: {_fmt(tp.get('requests_per_s'), 3)} req/s, "
+        f"{_fmt(tp.get('input_tokens_per_s'), 1)} input tok/s, "
+        f"{_fmt(tp.get('output_tokens_per_s'), 1)} output tok/s"
+    )
+    gp = summary.get("goodput", {})
+    if gp.get("slo_ttft_s") is not None or gp.get("slo_tbt_s") is not None:
+        text.append(
+            f"goodput (TTFT <= {_fmt(gp.get('slo_ttft_s'), 3)} s, own P99 TBT <= "
+            f"{_fmt(gp.get('slo_tbt_s'), 3)} s): {gp.get('num_good')} good, "
+            f"fraction {_fmt(gp.get('fraction'), 3)}, {_fmt(gp.get('requests_per_s'), 3)} req/s"
+        )
+    it = summary.get("iterations", {})
+    if it.get("count"):
+        text.append(
+            f"iterations: {it['count']} ({it.get('num_mixed')} mixed, "
+            f"{it.get('num_prefill_only')} prefill-only, {it.get('num_decode_only')} "
+            f"decode-only), mean {_fmt(_get(it, ('duration_s', 'mean')) * 1e3)} ms, "
+            f"busy {_fmt(it.get('busy_fraction'), 3)}"
+        )
+    for err in summary.get("errors", [])[:3]:
+        text.append(f"error: {err}")
+    return "\n".join(text)
+
+
+# ---------------------------------------------------------------------------- comparison
+
+
+def comparison_ratios(
+    summaries: Mapping[str, Mapping[str, Any]], baseline: str
+) -> dict[str, dict[str, float | None]]:
+    """For each run and comparison row: run value / baseline value (None if undefined)."""
+    if baseline not in summaries:
+        raise ValueError(f"baseline={baseline!r} is not one of the runs {list(summaries)}")
+    out: dict[str, dict[str, float | None]] = {}
+    for name, s in summaries.items():
+        row: dict[str, float | None] = {}
+        for label, path, _, _ in COMPARISON_ROWS:
+            v, b = _get(s, path), _get(summaries[baseline], path)
+            row[label] = float(v) / float(b) if v is not None and b else None
+        out[name] = row
+    return out
+
+
+def format_comparison(
+    summaries: Mapping[str, Mapping[str, Any]], baseline: str | None = None
+) -> str:
+    """Side-by-side table of several named runs; with `baseline`, each other run also
+    gets a "name/baseline" ratio column."""
+    names = list(summaries)
+    header = ["metric", *names]
+    ratios = None
+    if baseline is not None:
+        ratios = comparison_ratios(summaries, baseline)
+        header += [f"{n}/{baseline}" for n in names if n != baseline]
+    rows = []
+    for label, path, mult, _ in COMPARISON_ROWS:
+        row = [label]
+        for n in names:
+            v = _get(summaries[n], path)
+            row.append(_fmt(v if v is None or mult == 1.0 else v * mult))
+        if ratios is not None:
+            row += [_fmt(ratios[n][label]) for n in names if n != baseline]
+        rows.append(row)
+    return _table(header, rows)
+
+
+def write_comparison(
+    output_dir: str | Path,
+    summaries: Mapping[str, Mapping[str, Any]],
+    records: Mapping[str, Sequence[RequestRecord]],
+    baseline: str | None = None,
+) -> dict[str, Path]:
+    """Write comparison.json (every run's summary, and ratios to `baseline` when given),
+    comparison.txt (the side-by-side table) and overlaid CDFs of TBT and TTFT."""
+    if not summaries:
+        raise ValueError("summaries is empty: nothing to compare")
+    if set(records) - set(summaries):
+        raise ValueError(f"records names {sorted(set(records) - set(summaries))} have no summary")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "comparison_json": out / COMPARISON_JSON,
+        "comparison_txt": out / COMPARISON_TXT,
+        "tbt_cdf": out / COMPARE_TBT_CDF_PNG,
+        "ttft_cdf": out / COMPARE_TTFT_CDF_PNG,
+    }
+    table = format_comparison(summaries, baseline)
+    data: dict[str, Any] = {"runs": {k: dict(v) for k, v in summaries.items()}}
+    if baseline is not None:
+        data["baseline"] = baseline
+        data["ratios"] = comparison_ratios(summaries, baseline)
+    _write_json(paths["comparison_json"], data)
+    paths["comparison_txt"].write_text(table + "\n")
+    tbts: dict[str, list[float]] = {}
+    ttfts: dict[str, list[float]] = {}
+    for name in summaries:
+        per_req = [request_metrics(r) for r in records.get(name, ()) if r.ok]
+        tbts[name] = [g * 1e3 for m in per_req for g in m.tbts_s]
+        ttfts[name] = [m.ttft_s * 1e3 for m in per_req if m.ttft_s is not None]
+    _plot_cdfs(paths["tbt_cdf"], tbts, "time between tokens (ms)", "CDF of TBT")
+    _plot_cdfs(paths["ttft_cdf"], ttfts, "time to first token (ms)", "CDF of TTFT")
+    return paths
