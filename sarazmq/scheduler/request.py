@@ -1,0 +1,168 @@
+"""Per-request scheduling state and the per-request output message (`RequestDelta`).
+
+`Request` lives only inside the scheduler process. `RequestDelta` crosses the wire
+(scheduler -> detokenizers), so it is a msgspec Struct.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from sarazmq.messages import TokenLogprobs
+from sarazmq.sampling_params import SamplingParams
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle: WAITING -> RUNNING -> FINISHED; RUNNING -> WAITING on preemption."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable scheduling state of one request.
+
+    Token bookkeeping (positions are 0-based over `all_token_ids`):
+    - `num_computed_tokens`: positions whose KV is in the cache. A request in its
+      decode phase has `num_computed_tokens == num_tokens - 1` (the last sampled token
+      is not computed yet).
+    - `num_prefill_tokens`: how many tokens the current prefill covers: the prompt, or
+      prompt + outputs so far after a recompute preemption. Set at (re-)admission.
+    - `num_sent_tokens`: how many of `all_token_ids` the workers know (the plan diff
+      sends only the rest). 0 while the workers hold no state for this sequence.
+    """
+
+    __slots__ = (
+        "request_id",
+        "seq_id",
+        "prompt_token_ids",
+        "params",
+        "seed",
+        "max_output_tokens",
+        "output_token_ids",
+        "num_computed_tokens",
+        "num_prefill_tokens",
+        "num_sent_tokens",
+        "on_worker",
+        "block_ids",
+        "status",
+        "finish_reason",
+        "num_preemptions",
+        "arrival_time",
+        "first_scheduled_time",
+        "token_times",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        max_output_tokens: int,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.seq_id = seq_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        # params.seed, or a random draw at add time so recomputation after a
+        # preemption samples the same tokens
+        self.seed = seed
+        # params.max_tokens clamped to the model context and the KV pool
+        self.max_output_tokens = max_output_tokens
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_prefill_tokens = 0
+        self.num_sent_tokens = 0
+        # whether the workers hold state for seq_id (so it must be in freed_seq_ids)
+        self.on_worker = False
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason = ""
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        # iteration-end time of each output token (parallel to output_token_ids)
+        self.token_times: list[float] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the outputs so far (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Every known token: prompt + outputs."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to compute before the next sample (1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Running and its (possibly chunked) prefill is not complete yet."""
+        return self.num_computed_tokens < self.num_prefill_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def tokens_from(self, pos: int) -> list[int]:
+        """all_token_ids[pos:] without copying the prompt when pos is past it."""
+        n = len(self.prompt_token_ids)
+        if pos >= n:
+            return self.output_token_ids[pos - n :]
+        return self.prompt_token_ids[pos:] + self.output_token_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, seq={self.seq_id}, {self.status.value}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, tag="delta"):
+    """What one request gained in one iteration (or that it finished).
+
+    new_token_ids: tokens sampled this iteration (at most one per iteration; empty for
+        an abort or other finish without a token).
+    finish_reason: "stop" (EOS / stop token id), "length" (max_tokens or the model
+        context), "abort", or "" while the request continues.
+    token_times: scheduler clock at which each new token was processed.
+    logprobs: per new token, passed through from the worker (empty when the step
+        returned no logprobs).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    token_times: list[float]
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprobs | None] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != ""

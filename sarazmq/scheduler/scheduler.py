@@ -1,0 +1,451 @@
+"""The scheduler: request bookkeeping, batch policy, and the plan diff for the workers.
+
+Pure and socket-free: the engine feeds it requests and step results and ships its
+plans. Protocol, exactly one plan in flight:
+
+    plan = scheduler.schedule()          # None when there is nothing to run
+    ... workers run plan, rank 0 answers a StepResult ...
+    deltas = scheduler.process_result(result)
+
+Worker contract for a `BatchPlan` (the diff): first forget every seq in
+`freed_seq_ids`, then create every `new_seqs` entry (token_ids = all tokens known,
+empty block table, nothing computed), then for each `scheduled` entry append
+`append_token_ids` to the seq's tokens and `new_block_ids` to its block table and
+compute positions [start_pos, start_pos + num_tokens); if `sample`, the last one
+yields the seq's next token. `scheduled` lists decodes first, then prefill chunks
+(the attention metadata layout).
+
+Finished requests: EOS / stop ids / length finishes come out of `process_result`.
+`abort()` queues a finished delta (reason "abort"); it is returned by the next
+`process_result()` or `drain_finished()`, whichever is called first.
+`finish_by_stop_string()` emits no delta (the detokenizer that asked already knows).
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+
+from sarazmq.config import SchedulerConfig
+from sarazmq.messages import BatchPlan, NewSeq, ScheduledSeq, StepResult, TokenLogprobs
+from sarazmq.sampling_params import SamplingParams
+from sarazmq.scheduler.block_manager import BlockManager
+from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
+from sarazmq.scheduler.request import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Request,
+    RequestDelta,
+    RequestStatus,
+)
+
+
+class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One completed iteration (appended by process_result).
+
+    start: scheduler clock when the plan was built; end: when its result was processed.
+    forward_s: the worker's own forward time from the StepResult.
+    """
+
+    step: int
+    start: float
+    end: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    num_preempted: int = 0
+    forward_s: float = 0.0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Point-in-time counters."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_iterations: int
+    num_preemptions: int
+    num_finished: int = 0
+
+
+class Scheduler:
+    """Owns all requests, the KV block pool and the policy; builds diff plans."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        """seed: if given, the per-request seeds drawn for requests without
+        params.seed come from a generator seeded with it (reproducible runs);
+        otherwise from OS entropy."""
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len} must be >= 1")
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.blocks = BlockManager(block_size, num_blocks)
+        self.policy = make_policy(config, max_model_len)
+        self._rng = random.Random(seed)
+        self._watermark_blocks = int(config.watermark * num_blocks)
+
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}  # live (not finished) requests
+        self._next_seq_id = 0
+        self._step = 0
+        self._inflight: BatchPlan | None = None
+        self._inflight_reqs: dict[int, Request] = {}
+        self._inflight_start = 0.0
+        self._inflight_preempted = 0
+        self._pending_freed: list[int] = []
+        self._pending_deltas: list[RequestDelta] = []
+        self._num_preemptions = 0
+        self._num_finished = 0
+        self.iteration_records: list[IterationRecord] = []
+
+    # ---- requests in ----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request (FCFS). Raises ValueError for bad input.
+
+        params.max_tokens is clamped so prompt + output <= max_model_len, and so the
+        request fits the KV pool alone; reaching the clamp finishes with "length".
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request_id {request_id!r}: a request with it is live")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt: list[int] = []
+        for t in prompt_token_ids:
+            # accept numpy integers etc. (anything with __index__), but not bools/floats
+            try:
+                v = -1 if isinstance(t, bool) else operator.index(t)
+            except TypeError:
+                v = -1
+            if v < 0:
+                raise ValueError(
+                    f"request {request_id!r}: prompt token ids must be ints >= 0, got {t!r}"
+                )
+            prompt.append(v)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: empty prompt (prompt_token_ids is empty)")
+        n = len(prompt)
+        if n > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {n} tokens, more than the model's "
+                f"context of {self.max_model_len}"
+            )
+        if n == self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {n} tokens, which fills the model's "
+                f"context of {self.max_model_len} and leaves no room for output"
+            )
+        slots = self.blocks.num_token_slots
+        if n > slots:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {n} tokens but the whole KV pool holds "
+                f"only {slots} ({self.blocks.num_total_blocks} blocks of {self.block_size})"
+            )
+        # positions with KV = prompt + outputs - 1 (the last output is never computed)
+        max_out = min(params.max_tokens, self.max_model_len - n, slots - n + 1)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(
+            request_id=request_id,
+            seq_id=self._next_seq_id,
+            prompt_token_ids=prompt,
+            params=params,
+            seed=seed,
+            max_output_tokens=max_out,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+        )
+        self._next_seq_id += 1
+        self._requests[request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes a live request with "abort" and frees its blocks. Its delta comes
+        out of the next process_result() or drain_finished(). False if not live."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, FINISH_ABORT)
+        self._pending_deltas.append(self._delta(req, [], [], []))
+        return True
+
+    def finish_by_stop_string(self, request_id: str) -> None:
+        """The detokenizer matched a stop string: finish with "stop" and free blocks.
+        No delta is emitted. A no-op if the request already finished."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._finish(req, FINISH_STOP)
+
+    def drain_finished(self) -> list[RequestDelta]:
+        """Deltas of aborted requests not yet returned by process_result()."""
+        out, self._pending_deltas = self._pending_deltas, []
+        return out
+
+    # ---- queries ----
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request with this id (None once finished)."""
+        return self._requests.get(request_id)
+
+    @property
+    def inflight(self) -> bool:
+        return self._inflight is not None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_total_blocks=self.blocks.num_total_blocks,
+            num_iterations=len(self.iteration_records),
+            num_preemptions=self._num_preemptions,
+            num_finished=self._num_finished,
+        )
+
+    # ---- the iteration ----
+
+    def schedule(self) -> BatchPlan | None:
+        """Builds the next plan, or None when there is nothing to run. Raises
+        RuntimeError if the previous plan's result was not processed yet."""
+        if self._inflight is not None:
+            raise RuntimeError(
+                f"schedule() called while plan {self._inflight.step} is in flight; "
+                "call process_result() first"
+            )
+        start = self.clock()
+        ctx = ScheduleContext(
+            waiting=self.waiting,
+            running=self.running,
+            blocks=self.blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            watermark_blocks=self._watermark_blocks,
+        )
+        decision = self.policy.schedule(ctx)
+        num_preempted = len(decision.preempted)
+        self._note_preempted(decision)
+        if decision.empty and decision.preempted:
+            # preemption emptied the batch; with the victims back in waiting, a fresh
+            # pass can admit (policies do not admit in a step that preempted)
+            decision = self.policy.schedule(ctx)
+            num_preempted += len(decision.preempted)
+            self._note_preempted(decision)
+        if decision.empty:
+            return None
+
+        new_seqs: list[NewSeq] = []
+        for req in decision.admitted:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+            tokens = req.all_token_ids
+            new_seqs.append(
+                NewSeq(
+                    seq_id=req.seq_id,
+                    token_ids=tokens,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    params=req.params,
+                    seed=req.seed,
+                )
+            )
+            req.num_sent_tokens = len(tokens)
+            req.on_worker = True
+
+        scheduled: list[ScheduledSeq] = []
+        inflight_reqs: dict[int, Request] = {}
+        work = [(r, 1) for r in decision.decodes] + decision.prefills
+        for req, n in work:
+            start_pos = req.num_computed_tokens
+            append = req.tokens_from(req.num_sent_tokens)
+            req.num_sent_tokens = req.num_tokens
+            scheduled.append(
+                ScheduledSeq(
+                    seq_id=req.seq_id,
+                    start_pos=start_pos,
+                    num_tokens=n,
+                    append_token_ids=append,
+                    new_block_ids=decision.new_blocks.get(req.seq_id, []),
+                    sample=start_pos + n == req.num_tokens,
+                )
+            )
+            inflight_reqs[req.seq_id] = req
+
+        self._step += 1
+        plan = BatchPlan(
+            step=self._step,
+            new_seqs=new_seqs,
+            scheduled=scheduled,
+            freed_seq_ids=self._pending_freed,
+        )
+        self._pending_freed = []
+        self._inflight = plan
+        self._inflight_reqs = inflight_reqs
+        self._inflight_start = start
+        self._inflight_preempted = num_preempted
+        return plan
+
+    def process_result(self, result: StepResult) -> list[RequestDelta]:
+        """Applies the in-flight plan's result: advances computed tokens, appends the
+        sampled tokens, finishes requests. Returns one delta per request that got a
+        token or finished (pending abort deltas first).
+
+        Raises RuntimeError when no plan is in flight or the step reports an error,
+        ValueError when the result does not match the plan (nothing is applied then).
+        """
+        plan = self._inflight
+        if plan is None:
+            raise RuntimeError("process_result() called with no plan in flight")
+        if result.step != plan.step:
+            raise ValueError(f"result is for step {result.step}, plan in flight is {plan.step}")
+        if result.error:
+            raise RuntimeError(f"workers failed step {plan.step}: {result.error}")
+        if len(result.seq_ids) != len(result.token_ids):
+            raise ValueError(
+                f"result has {len(result.seq_ids)} seq_ids but {len(result.token_ids)} token_ids"
+            )
+        if result.logprobs and len(result.logprobs) != len(result.seq_ids):
+            raise ValueError(
+                f"result has {len(result.logprobs)} logprobs for {len(result.seq_ids)} tokens"
+            )
+        sampled = {sid: i for i, sid in enumerate(result.seq_ids)}
+        expected = {s.seq_id for s in plan.scheduled if s.sample}
+        if len(sampled) != len(result.seq_ids) or sampled.keys() != expected:
+            raise ValueError(
+                f"step {plan.step}: result tokens for seqs {sorted(result.seq_ids)}, "
+                f"plan samples seqs {sorted(expected)}"
+            )
+
+        now = self.clock()
+        deltas = self._pending_deltas
+        self._pending_deltas = []
+        num_prefill_tokens = num_decode_tokens = num_prefill_seqs = num_decode_seqs = 0
+        finished_any = False
+        for s in plan.scheduled:
+            req = self._inflight_reqs[s.seq_id]
+            was_prefill = req.is_prefill
+            if was_prefill:
+                num_prefill_tokens += s.num_tokens
+                num_prefill_seqs += 1
+            else:
+                num_decode_tokens += s.num_tokens
+                num_decode_seqs += 1
+            if req.is_finished:
+                continue  # aborted / stopped while the step ran
+            req.num_computed_tokens += s.num_tokens
+            if not s.sample:
+                continue
+            i = sampled[s.seq_id]
+            token = result.token_ids[i]
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            reason = self._check_finish(req, token)
+            if reason:
+                self._finish(req, reason, remove_from_running=False)
+                finished_any = True
+            lps: list[TokenLogprobs | None] = [result.logprobs[i]] if result.logprobs else []
+            deltas.append(self._delta(req, [token], [now], lps))
+        if finished_any:
+            self.running[:] = [r for r in self.running if not r.is_finished]
+
+        self.iteration_records.append(
+            IterationRecord(
+                step=plan.step,
+                start=self._inflight_start,
+                end=now,
+                num_prefill_tokens=num_prefill_tokens,
+                num_decode_tokens=num_decode_tokens,
+                num_seqs=len(plan.scheduled),
+                num_prefill_seqs=num_prefill_seqs,
+                num_decode_seqs=num_decode_seqs,
+                num_preempted=self._inflight_preempted,
+                forward_s=result.forward_s,
+            )
+        )
+        self._inflight = None
+        self._inflight_reqs = {}
+        return deltas
+
+    # ---- internals ----
+
+    def _note_preempted(self, decision: BatchDecision) -> None:
+        for req in decision.preempted:
+            self._num_preemptions += 1
+            if req.on_worker:
+                self._pending_freed.append(req.seq_id)
+                req.on_worker = False
+
+    def _check_finish(self, req: Request, token: int) -> str:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FINISH_STOP
+            if token in p.stop_token_ids:
+                return FINISH_STOP
+        if n_out >= req.max_output_tokens:
+            return FINISH_LENGTH
+        return ""
+
+    def _finish(self, req: Request, reason: str, remove_from_running: bool = True) -> None:
+        if req.status is RequestStatus.RUNNING:
+            if remove_from_running:
+                self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.blocks.free(req)
+        if req.on_worker:
+            self._pending_freed.append(req.seq_id)
+            req.on_worker = False
+        del self._requests[req.request_id]
+        self._num_finished += 1
+
+    def _delta(
+        self,
+        req: Request,
+        tokens: list[int],
+        times: list[float],
+        logprobs: list[TokenLogprobs | None],
+    ) -> RequestDelta:
+        return RequestDelta(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            token_times=times,
+            num_preemptions=req.num_preemptions,
+            logprobs=logprobs,
+        )
