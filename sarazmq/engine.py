@@ -7,6 +7,7 @@ and `DetokenizerManager`. One `step()` is one iteration: plan, execute, update, 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -37,16 +38,20 @@ class LLMEngine:
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len
         )
         self.runner = build_model_runner(self.config, self.model_config)
-        self.scheduler = Scheduler(
-            self.config.scheduler,
+        self.scheduler = self._make_scheduler(self.config.scheduler)
+        self.detokenizer = DetokenizerManager(tokenizer)
+        self.outputs: dict[str, RequestOutput] = {}
+
+    def _make_scheduler(self, config: SchedulerConfig) -> Scheduler:
+        return Scheduler(
+            config,
             block_size=self.config.cache.block_size,
             num_blocks=self.config.cache.num_blocks,
             max_model_len=self.config.scheduler.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             clock=time.monotonic,
+            seed=self.config.seed,
         )
-        self.detokenizer = DetokenizerManager(tokenizer)
-        self.outputs: dict[str, RequestOutput] = {}
 
     def add_request(
         self,
@@ -68,6 +73,17 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+
+    def replace_scheduler(self, config: SchedulerConfig) -> None:
+        """Switches policy/budget on an idle engine, keeping the loaded model and KV pool.
+
+        Used to compare policies on one loaded model (tests, benchmarks).
+        """
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("cannot replace the scheduler while requests are unfinished")
+        if config.max_model_len != self.config.scheduler.max_model_len:
+            config = dataclasses.replace(config, max_model_len=self.config.scheduler.max_model_len)
+        self.scheduler = self._make_scheduler(config)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -91,7 +107,7 @@ class LLMEngine:
             out.text += text_out.text
             out.token_times.extend(delta.token_times)
             out.logprobs.extend(delta.logprobs)
-            out.first_scheduled_time = delta.first_scheduled_time
+            out.first_scheduled_time = delta.first_scheduled_time or 0.0
             out.num_preemptions = delta.num_preemptions
             if text_out.finish_reason:
                 out.finish_reason = text_out.finish_reason
@@ -193,9 +209,7 @@ class LLM:
         else:
             per_request = list(params)
             if len(per_request) != len(items):
-                raise ValueError(
-                    f"got {len(per_request)} SamplingParams for {len(items)} prompts"
-                )
+                raise ValueError(f"got {len(per_request)} SamplingParams for {len(items)} prompts")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         for (prompt, pre), p in zip(items, per_request):

@@ -133,4 +133,3 @@ class ModelRunner:
             prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
             output_token_ids=state.token_ids[state.num_prompt_tokens :],
         )
-

@@ -28,8 +28,10 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
     source = resolve_model(config.model)
     model_config = load_model_config(source)
     tp = config.tensor_parallel_size
-    for name, heads in (("num_heads", model_config.num_heads),
-                        ("num_kv_heads", model_config.num_kv_heads)):
+    for name, heads in (
+        ("num_heads", model_config.num_heads),
+        ("num_kv_heads", model_config.num_kv_heads),
+    ):
         if heads % tp != 0:
             raise ValueError(
                 f"--tp {tp} does not divide the model's {name}={heads}: tensor parallelism "
@@ -53,7 +55,9 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
         raise ValueError(f"block_size={block_size} must be >= 1")
     num_blocks = cache.num_blocks
     if num_blocks <= 0:
-        per_block = kv_cache_bytes_per_block(model_config, block_size, getattr(torch, config.dtype), tp)
+        per_block = kv_cache_bytes_per_block(
+            model_config, block_size, getattr(torch, config.dtype), tp
+        )
         budget = available_memory_bytes(device) * cache.memory_fraction
         # every rank holds 1/tp of each block; budget is per device on CUDA, shared on CPU
         if not device.startswith("cuda"):

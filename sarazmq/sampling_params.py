@@ -51,27 +51,59 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.temperature >= 0.0 and math.isfinite(self.temperature),
-               "temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        _check(
+            self.temperature >= 0.0 and math.isfinite(self.temperature),
+            "temperature",
+            self.temperature,
+            "a finite number >= 0 (0 = greedy)",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "[0, 2**63)")
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-               f"[0, max_tokens={self.max_tokens}]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "a list of non-empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
-               "a list of token ids >= 0")
-        _check(0.0 < self.repetition_penalty <= 100.0 and math.isfinite(self.repetition_penalty),
-               "repetition_penalty", self.repetition_penalty, "(0, 100]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
-               "[-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               self.frequency_penalty, "[-2, 2]")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-               self.logprobs, f"None or [0, {MAX_LOGPROBS}]")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"[0, max_tokens={self.max_tokens}]",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "a list of non-empty strings",
+        )
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "a list of token ids >= 0",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 100.0 and math.isfinite(self.repetition_penalty),
+            "repetition_penalty",
+            self.repetition_penalty,
+            "(0, 100]",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            self.presence_penalty,
+            "[-2, 2]",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "[-2, 2]",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            self.logprobs,
+            f"None or [0, {MAX_LOGPROBS}]",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -79,8 +111,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:

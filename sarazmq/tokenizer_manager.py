@@ -24,14 +24,19 @@ class TokenizerManager:
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, Sequence):
             ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < self.vocab_size]
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            ]
             if bad:
                 raise ValueError(
                     f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]!r}"
                 )
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, not {type(prompt).__name__}"
+            )
         self.check_length(ids)
         return ids
 

@@ -25,7 +25,9 @@ def build_model_runner(
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
     dtype = getattr(torch, config.dtype)
-    attention = select_attention_backend(config.attention_backend, device, config.cache.block_size)
+    attention = select_attention_backend(
+        config.attention_backend, device, config.cache.block_size, dtype
+    )
     model = load_model(
         resolve_model(config.model),
         model_config,

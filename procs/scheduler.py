@@ -1,0 +1,80 @@
+"""Scheduler process: control in, one BatchPlan per iteration out to every worker, deltas out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from sarazmq.messages import Shutdown, StepResult
+from sarazmq.procs.common import ProcSpec, pull_socket, push_socket, run_process
+from sarazmq.protocol import SchedulerInbound
+from sarazmq.scheduler import Scheduler
+from sarazmq.scheduler_service import SchedulerService, ServiceActions
+
+
+def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
+    cfg = spec.config
+    scheduler = Scheduler(
+        cfg.scheduler,
+        block_size=cfg.cache.block_size,
+        num_blocks=cfg.cache.num_blocks,
+        max_model_len=cfg.scheduler.max_model_len,
+        eos_token_ids=spec.model_config.eos_token_ids,
+        clock=time.monotonic,
+    )
+    service = SchedulerService(scheduler, spec.num_detokenizers)
+    inbound = pull_socket(ctx, spec.endpoints.scheduler_in)
+    results = pull_socket(ctx, spec.endpoints.worker_result)
+    workers = [push_socket(ctx, ep) for ep in spec.endpoints.worker_plans]
+    detoks = [push_socket(ctx, ep) for ep in spec.endpoints.detokenizers]
+    frontend = push_socket(ctx, spec.endpoints.frontend_in)
+    in_decoder = msgspec.msgpack.Decoder(SchedulerInbound)
+    result_decoder = msgspec.msgpack.Decoder(StepResult)
+    enc = msgspec.msgpack.Encoder()
+    poller = zmq.Poller()
+    poller.register(inbound, zmq.POLLIN)
+    poller.register(results, zmq.POLLIN)
+    ready(num_blocks=cfg.cache.num_blocks)
+
+    def flush(acts: ServiceActions) -> None:
+        for shard, msgs in acts.to_detokenizers.items():
+            for m in msgs:
+                detoks[shard].send(enc.encode(m))
+        for m in acts.to_frontend:
+            frontend.send(enc.encode(m))
+
+    try:
+        while True:
+            busy = service.in_flight is not None or scheduler.has_unfinished()
+            events = dict(poller.poll(0 if busy else 200))
+            acts = ServiceActions()
+            if inbound in events:
+                # drain everything that is queued, without blocking the iteration
+                while True:
+                    try:
+                        frame = inbound.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    service.on_inbound(in_decoder.decode(frame), acts)
+            if service.in_flight is not None and results in events:
+                service.on_result(result_decoder.decode(results.recv()), acts)
+            if service.in_flight is None and scheduler.has_unfinished():
+                plan = service.next_plan()
+                if plan is not None:
+                    frame = enc.encode(plan)
+                    for w in workers:
+                        w.send(frame)
+            flush(acts)
+            if service.in_flight is not None:
+                # wait for the workers, but keep taking control messages meanwhile
+                poller.poll(100)
+    finally:
+        for w in workers:
+            w.send(enc.encode(Shutdown(reason="scheduler exiting")), zmq.NOBLOCK)
+
+
+if __name__ == "__main__":
+    run_process(body)

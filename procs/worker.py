@@ -1,0 +1,53 @@
+"""Worker process (one per tensor-parallel rank): plan in, forward + sample, result out (rank 0)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from sarazmq.messages import BatchPlan, Shutdown, WorkerInbound
+from sarazmq.procs.common import ProcSpec, pull_socket, push_socket, run_process
+from sarazmq.worker import build_model_runner
+
+
+def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
+    rank = spec.index
+    tp = spec.config.tensor_parallel_size
+    group = None
+    if tp > 1:
+        backend = "nccl" if spec.config.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method=spec.endpoints.dist_init,
+            rank=rank,
+            world_size=tp,
+            timeout=timedelta(seconds=120),
+        )
+        group = dist.group.WORLD
+    runner = build_model_runner(spec.config, spec.model_config, rank=rank, tp_group=group)
+    plans = pull_socket(ctx, spec.endpoints.worker_plans[rank])
+    results = push_socket(ctx, spec.endpoints.worker_result) if rank == 0 else None
+    decoder = msgspec.msgpack.Decoder(WorkerInbound)
+    encoder = msgspec.msgpack.Encoder()
+    ready(rank=rank, kv_blocks=spec.config.cache.num_blocks)
+    while True:
+        msg = decoder.decode(plans.recv())
+        if isinstance(msg, Shutdown):
+            break
+        assert isinstance(msg, BatchPlan)  # the union has two members
+        result = runner.execute(msg)
+        if results is not None:
+            results.send(encoder.encode(result))
+    if group is not None:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_process(body)

