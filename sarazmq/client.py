@@ -297,13 +297,16 @@ class AsyncClient:
         """Asks the engine to stop a request; its stream ends with finish_reason="abort"."""
         await self._send(AbortRequest(request_id=request_id))
 
-    async def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Scheduler state: waiting, running, free/total KV blocks, iterations, ..."""
+    async def stats(self, timeout: float = 10.0, iterations_from: int = -1) -> dict[str, Any]:
+        """Scheduler state: num_waiting, num_running, num_free_blocks, num_total_blocks,
+        num_iterations, num_preemptions, num_finished; with iterations_from >= 0 also
+        "iterations": the per-iteration records (step, start, end, num_prefill_tokens,
+        num_decode_tokens, num_seqs, ...) since that step."""
         rid = self.new_request_id()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._stats_waiters[rid] = fut
         try:
-            await self._send(StatsRequest(request_id=rid))
+            await self._send(StatsRequest(request_id=rid, iterations_from=iterations_from))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise EngineError(f"stats request timed out after {timeout} s") from None
@@ -382,8 +385,8 @@ class Client:
     def abort(self, request_id: str) -> None:
         self._call(self._async.abort(request_id))
 
-    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        return self._call(self._async.stats(timeout))
+    def stats(self, timeout: float = 10.0, iterations_from: int = -1) -> dict[str, Any]:
+        return self._call(self._async.stats(timeout, iterations_from))
 
     def new_request_id(self) -> str:
         return self._async.new_request_id()

@@ -87,7 +87,9 @@ class Frontend:
                 )
             else:
                 self.pending_stats[eid] = (identity, msg.request_id)
-                acts.to_scheduler.append(StatsQuery(request_id=eid))
+                acts.to_scheduler.append(
+                    StatsQuery(request_id=eid, iterations_from=msg.iterations_from)
+                )
         return acts
 
     def _reject(self, acts: FrontendActions, identity: bytes, frame: bytes, err: Exception) -> None:

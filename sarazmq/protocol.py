@@ -44,7 +44,10 @@ class AbortRequest(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
 
 
 class StatsRequest(msgspec.Struct, tag="stats", forbid_unknown_fields=True):
+    """Scheduler state; with iterations_from >= 0 also the iteration records since that step."""
+
     request_id: str
+    iterations_from: int = -1
 
 
 ClientMessage = GenerateRequest | AbortRequest | StatsRequest
@@ -115,6 +118,7 @@ class StopStringHit(msgspec.Struct, tag="stop_hit", array_like=True):
 
 class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
     request_id: str
+    iterations_from: int = -1
 
 
 SchedulerInbound = AddRequest | Abort | StopStringHit | StatsQuery

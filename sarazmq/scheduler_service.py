@@ -81,11 +81,16 @@ class SchedulerService:
         elif isinstance(msg, StopStringHit):
             self.scheduler.finish_by_stop_string(msg.request_id)
         elif isinstance(msg, StatsQuery):
-            acts.to_frontend.append(StatsAnswer(msg.request_id, self.stats()))
+            acts.to_frontend.append(StatsAnswer(msg.request_id, self.stats(msg.iterations_from)))
         self._route(self.scheduler.drain_finished(), acts)
 
-    def stats(self) -> dict[str, object]:
-        return msgspec.structs.asdict(self.scheduler.stats())
+    def stats(self, iterations_from: int = -1) -> dict[str, object]:
+        out: dict[str, object] = msgspec.structs.asdict(self.scheduler.stats())
+        if iterations_from >= 0:
+            out["iterations"] = [
+                msgspec.structs.asdict(r) for r in self.scheduler.iterations_since(iterations_from)
+            ]
+        return out
 
     def next_plan(self) -> BatchPlan | None:
         if self.in_flight is not None:

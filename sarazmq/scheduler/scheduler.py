@@ -45,6 +45,8 @@ from sarazmq.scheduler.request import (
     RequestStatus,
 )
 
+MAX_ITERATION_RECORDS = 200_000
+
 
 class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     """One completed iteration (appended by process_result).
@@ -119,7 +121,9 @@ class Scheduler:
         self._pending_deltas: list[RequestDelta] = []
         self._num_preemptions = 0
         self._num_finished = 0
-        self.iteration_records: list[IterationRecord] = []
+        # bounded: a long-running server must not grow without limit
+        self.iteration_records: deque[IterationRecord] = deque(maxlen=MAX_ITERATION_RECORDS)
+        self._num_iterations = 0
 
     # ---- requests in ----
 
@@ -229,10 +233,20 @@ class Scheduler:
             num_running=len(self.running),
             num_free_blocks=self.blocks.num_free_blocks,
             num_total_blocks=self.blocks.num_total_blocks,
-            num_iterations=len(self.iteration_records),
+            num_iterations=self._num_iterations,
             num_preemptions=self._num_preemptions,
             num_finished=self._num_finished,
         )
+
+    def iterations_since(self, step: int) -> list[IterationRecord]:
+        """Iteration records with step >= `step` (the most recent ones are kept)."""
+        out: list[IterationRecord] = []
+        for rec in reversed(self.iteration_records):
+            if rec.step < step:
+                break
+            out.append(rec)
+        out.reverse()
+        return out
 
     # ---- the iteration ----
 
@@ -377,6 +391,7 @@ class Scheduler:
         if finished_any:
             self.running[:] = [r for r in self.running if not r.is_finished]
 
+        self._num_iterations += 1
         self.iteration_records.append(
             IterationRecord(
                 step=plan.step,
