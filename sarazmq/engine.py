@@ -38,15 +38,15 @@ class LLMEngine:
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len
         )
         self.runner = build_model_runner(self.config, self.model_config)
-        self.scheduler = self._make_scheduler(self.config.scheduler)
+        self.scheduler = self._make_scheduler(self.config.scheduler, self.config.cache.num_blocks)
         self.detokenizer = DetokenizerManager(tokenizer)
         self.outputs: dict[str, RequestOutput] = {}
 
-    def _make_scheduler(self, config: SchedulerConfig) -> Scheduler:
+    def _make_scheduler(self, config: SchedulerConfig, num_blocks: int) -> Scheduler:
         return Scheduler(
             config,
             block_size=self.config.cache.block_size,
-            num_blocks=self.config.cache.num_blocks,
+            num_blocks=num_blocks,
             max_model_len=self.config.scheduler.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             clock=time.monotonic,
@@ -74,16 +74,20 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
-    def replace_scheduler(self, config: SchedulerConfig) -> None:
-        """Switches policy/budget on an idle engine, keeping the loaded model and KV pool.
+    def replace_scheduler(self, config: SchedulerConfig, num_blocks: int | None = None) -> None:
+        """Switches policy/budget on an idle engine, keeping the loaded model and KV cache.
 
-        Used to compare policies on one loaded model (tests, benchmarks).
+        num_blocks: use only this many of the allocated KV blocks (to study a smaller
+        pool without reloading). Used to compare policies on one loaded model.
         """
         if self.scheduler.has_unfinished():
             raise RuntimeError("cannot replace the scheduler while requests are unfinished")
         if config.max_model_len != self.config.scheduler.max_model_len:
             config = dataclasses.replace(config, max_model_len=self.config.scheduler.max_model_len)
-        self.scheduler = self._make_scheduler(config)
+        allocated = self.config.cache.num_blocks
+        if num_blocks is not None and not 1 <= num_blocks <= allocated:
+            raise ValueError(f"num_blocks={num_blocks} must be in [1, {allocated}] (allocated)")
+        self.scheduler = self._make_scheduler(config, num_blocks or allocated)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

