@@ -6,9 +6,11 @@ msgpack from stdin: config crosses to children with msgspec, never pickle.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -42,6 +44,12 @@ class CurveKeys(msgspec.Struct):
 
 
 class ProcSpec(msgspec.Struct):
+    """Everything a child process needs, sent to it as msgpack on stdin.
+
+    client_timeout / max_client_backlog: the frontend's limits on a client that stops
+    answering heartbeats / reading its output (then its requests are aborted).
+    """
+
     kind: str
     index: int
     config: EngineConfig
@@ -50,20 +58,35 @@ class ProcSpec(msgspec.Struct):
     num_detokenizers: int
     curve: CurveKeys | None = None
     log_level: str = "WARNING"
+    client_timeout: float = 15.0
+    max_client_backlog: int = 10_000
+
+
+class Stopped(BaseException):
+    """Raised by the SIGTERM handler: the process exits 0 (the launcher asked it to)."""
 
 
 def read_spec() -> ProcSpec:
     return msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ProcSpec)
 
 
-def die_with_parent() -> None:
-    """Asks the kernel to SIGKILL this process when the launcher dies (no orphans)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Asks the kernel to send `sig` to this process when the launcher dies (no orphans)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        libc.prctl(pr_set_pdeathsig, sig)
     if os.getppid() == 1:
         os._exit(1)
+
+
+def remove_deployment_files(spec: ProcSpec) -> None:
+    """Removes the run directory and the public ipc file (the launcher's job, when the
+    launcher itself was killed)."""
+    shutil.rmtree(os.path.dirname(spec.endpoints.launcher[len("ipc://") :]), ignore_errors=True)
+    if spec.endpoints.public.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            os.unlink(spec.endpoints.public[len("ipc://") :])
 
 
 def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -87,9 +110,23 @@ def run_process(body: Callable[[ProcSpec, zmq.Context, Callable[..., None]], Non
     """
     spec = read_spec()
     name = f"{spec.kind}-{spec.index}"
-    die_with_parent()
+    if spec.kind == "frontend":
+        # The frontend never blocks for long (it runs no model), so it can take a
+        # catchable signal when the launcher dies, and clean up the files the launcher
+        # no longer can; every other child is SIGKILLed.
+        def orphaned(signum: int, frame: object) -> None:
+            remove_deployment_files(spec)
+            os._exit(1)
+
+        signal.signal(signal.SIGHUP, orphaned)
+        die_with_parent(signal.SIGHUP)
+    else:
+        die_with_parent()
+    # every file this process creates (ipc sockets) is owner-only from the start
+    os.umask(0o077)
     # Ctrl-C reaches the whole process group; only the launcher decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_stopped)
     logging.basicConfig(
         level=spec.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s"
     )
@@ -102,11 +139,23 @@ def run_process(body: Callable[[ProcSpec, zmq.Context, Callable[..., None]], Non
 
     try:
         body(spec, ctx, ready)
+    except Stopped:
+        ctx.destroy(linger=0)
+        # nothing is left to flush but the logs; skip the interpreter's (and torch's)
+        # slow teardown, which on a loaded machine can outlast the launcher's patience
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except Exception as e:  # noqa: BLE001 - reported to the launcher, then exit non-zero
         logging.getLogger(name).error("%s failed: %s", name, traceback.format_exc())
         launcher.send(enc.encode(Failed(name=name, error=f"{type(e).__name__}: {e}")))
         launcher.close(linger=2000)
-        ctx.term()
+        ctx.destroy(linger=0)
         sys.exit(1)
     launcher.close(linger=1000)
-    ctx.term()
+    ctx.destroy(linger=0)
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped

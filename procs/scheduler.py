@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -46,12 +47,17 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
         for m in acts.to_frontend:
             frontend.send(enc.encode(m))
 
+    # schedule() returns None while requests are unfinished when none can run (e.g. the
+    # pool is too full to admit any): only an inbound message (abort, stop string, new
+    # request) or a result can change that, so wait for one instead of spinning.
+    stalled = False
     try:
         while True:
-            busy = service.in_flight is not None or scheduler.has_unfinished()
-            events = dict(poller.poll(0 if busy else 200))
+            want_plan = service.in_flight is None and scheduler.has_unfinished() and not stalled
+            events = dict(poller.poll(0 if want_plan else 200))
             acts = ServiceActions()
             if inbound in events:
+                stalled = False
                 # drain everything that is queued, without blocking the iteration
                 while True:
                     try:
@@ -60,20 +66,21 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
                         break
                     service.on_inbound(in_decoder.decode(frame), acts)
             if service.in_flight is not None and results in events:
+                stalled = False
                 service.on_result(result_decoder.decode(results.recv()), acts)
-            if service.in_flight is None and scheduler.has_unfinished():
+            if service.in_flight is None and scheduler.has_unfinished() and not stalled:
                 plan = service.next_plan()
-                if plan is not None:
+                if plan is None:
+                    stalled = True
+                else:
                     frame = enc.encode(plan)
                     for w in workers:
                         w.send(frame)
             flush(acts)
-            if service.in_flight is not None:
-                # wait for the workers, but keep taking control messages meanwhile
-                poller.poll(100)
     finally:
         for w in workers:
-            w.send(enc.encode(Shutdown(reason="scheduler exiting")), zmq.NOBLOCK)
+            with contextlib.suppress(zmq.ZMQError):
+                w.send(enc.encode(Shutdown(reason="scheduler exiting")), zmq.NOBLOCK)
 
 
 if __name__ == "__main__":

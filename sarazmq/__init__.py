@@ -21,6 +21,8 @@ _LAZY = {
     "Client": "sarazmq.client",
     "AsyncClient": "sarazmq.client",
     "EngineError": "sarazmq.client",
+    "RequestError": "sarazmq.client",
+    "HealthReport": "sarazmq.client",
 }
 
 __all__ = ["SamplingParams", "RequestOutput", *_LAZY]

@@ -1,4 +1,5 @@
-"""`sarazmq` command line: serve, chat, generate (and more added by later modules)."""
+"""`sarazmq` command line: serve, chat, generate, health, keys (and more added by later
+modules)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,27 @@ def build_config(kw: dict[str, Any]) -> EngineConfig:
     )
 
 
+def server_key_option(f: Any) -> Any:
+    return click.option(
+        "--curve-server-key-file",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False),
+        help="the server's public key file (from `sarazmq keys`), for a CurveZMQ endpoint",
+    )(f)
+
+
+def client_kwargs(curve_server_key_file: str | None) -> dict[str, Any]:
+    """Client() keyword arguments for the --curve-server-key-file option."""
+    if curve_server_key_file is None:
+        return {}
+    from sarazmq.keys import load_public_key
+
+    try:
+        return {"curve_server_key": load_public_key(curve_server_key_file)}
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @contextlib.contextmanager
 def deployment_or_connect(connect: str | None, kw: dict[str, Any]) -> Iterator[str]:
     """Yields an endpoint: the given one, or one of a deployment started for this command."""
@@ -115,27 +137,77 @@ def main() -> None:
 @click.option(
     "--endpoint",
     default=None,
-    help="ipc://PATH or tcp://127.0.0.1:PORT (default: ipc in a private temp dir)",
+    help="ipc://PATH or tcp://HOST:PORT (default: ipc in a private 0700 temp dir); a "
+    "non-loopback tcp address needs --curve-key-file",
+)
+@click.option(
+    "--curve-key-file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="the server's secret key file from `sarazmq keys` (mode 0600): clients must "
+    "then know its public key (CurveZMQ)",
+)
+@click.option(
+    "--restart",
+    type=click.Choice(["no", "on-failure"]),
+    default="no",
+    show_default=True,
+    help="when a process dies: exit non-zero, or start the deployment again",
+)
+@click.option("--max-restarts", default=3, show_default=True)
+@click.option(
+    "--drain-timeout",
+    default=30.0,
+    show_default=True,
+    help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before being aborted",
+)
+@click.option(
+    "--client-timeout",
+    default=15.0,
+    show_default=True,
+    help="seconds a client may leave heartbeats unanswered before its requests are aborted",
 )
 @click.option("--log-level", default="WARNING", show_default=True)
-def serve(endpoint: str | None, log_level: str, **kw: Any) -> None:
-    """Start a multi-process deployment and serve until SIGINT/SIGTERM."""
+def serve(
+    endpoint: str | None,
+    curve_key_file: str | None,
+    restart: str,
+    max_restarts: int,
+    drain_timeout: float,
+    client_timeout: float,
+    log_level: str,
+    **kw: Any,
+) -> None:
+    """Start a multi-process deployment and serve until SIGINT/SIGTERM.
+
+    Exits 0 after a requested stop (in-flight requests drained), 1 when a process died
+    (and was not, or could no longer be, restarted)."""
+    from sarazmq.procs.common import CurveKeys
     from sarazmq.procs.launcher import Deployment, DeploymentError
 
+    curve = None
     try:
+        if curve_key_file is not None:
+            from sarazmq.keys import load_keypair
+
+            public, secret = load_keypair(curve_key_file)
+            curve = CurveKeys(public=public.decode(), secret=secret.decode())
         dep = Deployment(
             build_config(kw),
             endpoint=endpoint,
             num_detokenizers=kw["detokenizers"],
+            curve=curve,
             log_level=log_level,
+            restart=restart,
+            max_restarts=max_restarts,
+            drain_timeout=drain_timeout,
+            client_timeout=client_timeout,
         )
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    stop_requested = []
 
     def on_signal(signum: int, _frame: Any) -> None:
-        stop_requested.append(signum)
-        dep.stop()
+        dep.request_stop()  # the main loop below drains and stops
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -145,7 +217,9 @@ def serve(endpoint: str | None, log_level: str, **kw: Any) -> None:
         raise click.ClickException(str(e)) from None
     click.echo(
         f"sarazmq serving {kw['model']} ({kw['policy']}, chunk {kw['chunk_size']}, "
-        f"tp {kw['tp']}, {dep.config.cache.num_blocks} KV blocks) on {dep.endpoint}",
+        f"tp {kw['tp']}, {dep.config.cache.num_blocks} KV blocks) on {dep.endpoint}"
+        + (" (CurveZMQ)" if curve else "")
+        + f"; internal sockets in {dep.rundir}",
         err=False,
     )
     sys.stdout.flush()
@@ -155,7 +229,56 @@ def serve(endpoint: str | None, log_level: str, **kw: Any) -> None:
     if code:
         click.echo(f"sarazmq: {dep.failure}", err=True)
     dep.stop()
+    if not code:
+        drained = (
+            f"drained ({dep.drained.num_finished} finished, {dep.drained.num_aborted} aborted)"
+            if dep.drained is not None
+            else "not drained"
+        )
+        bad = {name: rc for name, rc in dep.exit_codes.items() if rc != 0}
+        codes = f"exit codes {bad}" if bad else "every process exited 0"
+        click.echo(f"sarazmq: {drained}; stopped, {codes}", err=True)
     sys.exit(code)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="server", show_default=True)
+def keys(directory: str, name: str) -> None:
+    """Generate a CurveZMQ keypair: DIRECTORY/NAME.key (public, for clients) and
+    DIRECTORY/NAME.key_secret (for `serve --curve-key-file`, mode 0600)."""
+    from sarazmq.keys import create_keypair
+
+    try:
+        public, secret = create_keypair(directory, name)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+@main.command()
+@click.argument("endpoint")
+@click.option("--timeout", default=10.0, show_default=True)
+@server_key_option
+def health(endpoint: str, timeout: float, curve_server_key_file: str | None) -> None:
+    """Check a deployment with a real one-token generation: exit 0 if healthy, else 1."""
+    from sarazmq.client import Client
+
+    with Client(endpoint, **client_kwargs(curve_server_key_file)) as client:
+        report = client.health(timeout)
+    if report.healthy:
+        stats = report.stats
+        extra = ""
+        if stats:
+            extra = (
+                f"; {stats.get('num_running', '?')} running, {stats.get('num_waiting', '?')} "
+                f"waiting, {stats.get('num_free_blocks', '?')}/"
+                f"{stats.get('num_total_blocks', '?')} KV blocks free"
+            )
+        click.echo(f"healthy: one token in {report.latency_s:.2f} s{extra}")
+        sys.exit(0)
+    click.echo(f"unhealthy: {report.reason}")
+    sys.exit(1)
 
 
 def _params(max_tokens: int, temperature: float, seed: int | None) -> SamplingParams:
@@ -173,6 +296,7 @@ def _params(max_tokens: int, temperature: float, seed: int | None) -> SamplingPa
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @click.option("--raw", is_flag=True, help="plain completion, no chat template")
+@server_key_option
 def generate(
     prompt: str,
     connect: str | None,
@@ -180,13 +304,15 @@ def generate(
     temperature: float,
     seed: int | None,
     raw: bool,
+    curve_server_key_file: str | None,
     **kw: Any,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout."""
     from sarazmq.client import Client, EngineError
 
     params = _params(max_tokens, temperature, seed)
-    with deployment_or_connect(connect, kw) as endpoint, Client(endpoint) as client:
+    ckw = client_kwargs(curve_server_key_file)
+    with deployment_or_connect(connect, kw) as endpoint, Client(endpoint, **ckw) as client:
         try:
             if raw:
                 deltas = client.stream(prompt, params)
@@ -206,8 +332,14 @@ def generate(
 @click.option("--max-tokens", default=256, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--system", default=None, help="system prompt")
+@server_key_option
 def chat(
-    connect: str | None, max_tokens: int, temperature: float, system: str | None, **kw: Any
+    connect: str | None,
+    max_tokens: int,
+    temperature: float,
+    system: str | None,
+    curve_server_key_file: str | None,
+    **kw: Any,
 ) -> None:
     """Interactive multi-turn chat; /reset clears the history, /exit quits."""
     from sarazmq.client import Client, EngineError
@@ -215,7 +347,8 @@ def chat(
     params = _params(max_tokens, temperature, None)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
-    with deployment_or_connect(connect, kw) as endpoint, Client(endpoint) as client:
+    ckw = client_kwargs(curve_server_key_file)
+    with deployment_or_connect(connect, kw) as endpoint, Client(endpoint, **ckw) as client:
         click.echo("chat ready: type a message, /reset to clear the history, /exit to quit")
         while True:
             try:
@@ -249,4 +382,14 @@ def chat(
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m sarazmq.cli`: run the package module's group, which has the commands
+    # of later modules (they import sarazmq.cli themselves, so registering them from
+    # __main__ would import this file twice, circularly)
+    from sarazmq.cli import main as package_main
+
+    package_main()
+else:
+    from sarazmq.replay.cli import capacity, replay  # needs engine_options above
+
+    main.add_command(replay)
+    main.add_command(capacity)

@@ -1,9 +1,11 @@
 """Client SDK for a sarazmq deployment: `AsyncClient` and its synchronous twin `Client`.
 
 One DEALER connection carries any number of concurrent requests. A reader task
-dispatches server frames to per-request queues. The engine sends heartbeats while
-requests are in flight, so a dead or unreachable engine becomes an `EngineError` within
-`heartbeat_timeout` seconds instead of a hang.
+dispatches server frames to per-request queues and answers the engine's heartbeats
+(`Pong`: the engine aborts the requests of a client that stops answering). The engine
+sends heartbeats while requests are in flight, so a dead or unreachable engine becomes an
+`EngineError` within `heartbeat_timeout` seconds instead of a hang; a dropped connection
+or a failed CurveZMQ handshake fails the pending requests at once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from sarazmq.outputs import RequestOutput
 from sarazmq.protocol import (
@@ -30,6 +33,7 @@ from sarazmq.protocol import (
     GenerateRequest,
     Heartbeat,
     OutputDelta,
+    Pong,
     ProtocolError,
     ServerMessage,
     StatsReply,
@@ -45,11 +49,34 @@ class EngineError(RuntimeError):
 
 
 class RequestError(EngineError):
-    """The engine rejected one request (bad input); `request_id` says which."""
+    """The engine rejected one request (bad input); `request_id` says which, `field`
+    names the offending field when the engine could tell ("prompt", "params.top_p", ...)."""
 
-    def __init__(self, request_id: str, message: str) -> None:
+    def __init__(self, request_id: str, message: str, field: str = "") -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.field = field
+
+
+class HealthReport(msgspec.Struct, kw_only=True):
+    """Result of `health()`: a real one-token generation through every process.
+
+    healthy: the generation finished in time. reason: why not (else ""). latency_s:
+    how long the generation took. stats: the scheduler's stats when they could be read.
+    """
+
+    healthy: bool
+    reason: str = ""
+    latency_s: float = 0.0
+    stats: dict[str, Any] = {}
+
+
+_MONITOR_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def _merge(out: RequestOutput, delta: OutputDelta) -> None:
@@ -97,6 +124,7 @@ class AsyncClient:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
         self._queues: dict[str, asyncio.Queue[OutputDelta | Exception]] = {}
         self._stats_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._encoder = msgspec.msgpack.Encoder()
@@ -115,26 +143,36 @@ class AsyncClient:
             self._ctx = zmq.asyncio.Context()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # take everything the engine sends as fast as it comes: the engine drops a
+            # client whose queue on its side fills up
+            sock.setsockopt(zmq.RCVHWM, 0)
             if self._curve_server_key is not None:
                 public, secret = self._curve_keypair or zmq.curve_keypair()
                 sock.curve_serverkey = self._curve_server_key
                 sock.curve_publickey = public
                 sock.curve_secretkey = secret
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
             sock.connect(self.endpoint)
             self._sock = sock
             self._last_heard = time.monotonic()
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(self._read_loop())
+            self._monitor = loop.create_task(self._monitor_loop(monitor))
         return self._sock
 
     async def close(self) -> None:
-        """Aborts nothing, drops the connection; pending requests fail with EngineError."""
+        """Drops the connection (the engine then aborts this client's requests); pending
+        requests fail here with EngineError."""
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        for task in (self._reader, self._monitor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         self._fail_all(EngineError("client closed"))
         if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
             self._sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
@@ -175,8 +213,8 @@ class AsyncClient:
             self._last_heard = time.monotonic()
             try:
                 msg = self._decoder.decode(frame)
-            except msgspec.DecodeError:
-                continue  # not ours to crash on; the engine speaks this protocol only
+            except Exception:  # noqa: BLE001 - DecodeError, RecursionError: not ours to crash on
+                continue
             if isinstance(msg, OutputDelta):
                 q = self._queues.get(msg.request_id)
                 if q is not None:
@@ -185,10 +223,29 @@ class AsyncClient:
                 fut = self._stats_waiters.pop(msg.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.stats)
+            elif isinstance(msg, Heartbeat):
+                # proof that this client still reads; NOBLOCK: never wait on the engine
+                with contextlib.suppress(zmq.ZMQError):
+                    await sock.send(self._encoder.encode(Pong(time=msg.time)), zmq.NOBLOCK)
             elif isinstance(msg, ProtocolError):
                 self._fail_all(EngineError(f"engine rejected a frame: {msg.error}"))
-            elif isinstance(msg, Heartbeat):
-                pass
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        """Fails pending requests as soon as the connection drops or a handshake fails."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    err = f"lost the connection to the engine at {self.endpoint}"
+                else:
+                    err = (
+                        f"security handshake with the engine at {self.endpoint} failed "
+                        f"(wrong or missing CurveZMQ server key?)"
+                    )
+                if self._queues or self._stats_waiters:
+                    self._fail_all(EngineError(err))
+        finally:
+            monitor.close(linger=0)
 
     async def _send(self, msg: ClientMessage) -> None:
         sock = self._ensure_connected()
@@ -242,7 +299,7 @@ class AsyncClient:
                     raise item
                 if item.finish_reason == "error":
                     finished = True
-                    raise RequestError(rid, item.error or "request failed")
+                    raise RequestError(rid, item.error or "request failed", item.error_field)
                 if item.finish_reason:
                     finished = True
                 yield item
@@ -312,6 +369,25 @@ class AsyncClient:
             raise EngineError(f"stats request timed out after {timeout} s") from None
         finally:
             self._stats_waiters.pop(rid, None)
+
+    async def health(self, timeout: float = 10.0) -> HealthReport:
+        """Runs a real one-token generation (tokenizer, scheduler, worker, detokenizer)
+        under `timeout` seconds; reports healthy or why not. Never raises."""
+        t0 = time.monotonic()
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        try:
+            out = await self.generate("Hi", params, timeout=timeout)
+        except EngineError as e:
+            return HealthReport(healthy=False, reason=str(e), latency_s=time.monotonic() - t0)
+        latency = time.monotonic() - t0
+        if out.finish_reason not in ("stop", "length") or len(out.token_ids) != 1:
+            reason = f"one-token generation ended {out.finish_reason!r} with {out.token_ids}"
+            return HealthReport(healthy=False, reason=reason, latency_s=latency)
+        try:
+            stats = await self.stats(timeout=max(1.0, timeout - latency))
+        except EngineError:
+            stats = {}
+        return HealthReport(healthy=True, latency_s=latency, stats=stats)
 
 
 _STREAM_END = object()
@@ -387,6 +463,10 @@ class Client:
 
     def stats(self, timeout: float = 10.0, iterations_from: int = -1) -> dict[str, Any]:
         return self._call(self._async.stats(timeout, iterations_from))
+
+    def health(self, timeout: float = 10.0) -> HealthReport:
+        """See `AsyncClient.health`."""
+        return self._call(self._async.health(timeout))
 
     def new_request_id(self) -> str:
         return self._async.new_request_id()

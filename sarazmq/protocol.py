@@ -15,7 +15,9 @@ from sarazmq.messages import TokenLogprobs
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.request import RequestDelta
 
-# Largest frame the public endpoint accepts (zmq drops bigger ones at the socket).
+# Largest frame the public endpoint accepts. libzmq enforces it (ZMQ_MAXMSGSIZE) before a
+# frame reaches Python: the peer that sends a bigger one is disconnected, so it cannot
+# make the frontend buffer more than this.
 MAX_CLIENT_FRAME_BYTES = 16 * 1024 * 1024
 
 
@@ -50,7 +52,17 @@ class StatsRequest(msgspec.Struct, tag="stats", forbid_unknown_fields=True):
     iterations_from: int = -1
 
 
-ClientMessage = GenerateRequest | AbortRequest | StatsRequest
+class Pong(msgspec.Struct, tag="pong", forbid_unknown_fields=True):
+    """A client's answer to each `Heartbeat`: proof that it still reads its output.
+
+    A client with requests in flight that sends no Pong for the frontend's client
+    timeout is treated as gone and its requests are aborted (their KV blocks freed).
+    """
+
+    time: float
+
+
+ClientMessage = GenerateRequest | AbortRequest | StatsRequest | Pong
 
 
 # ---- frontend -> client --------------------------------------------------------------
@@ -59,8 +71,11 @@ ClientMessage = GenerateRequest | AbortRequest | StatsRequest
 class OutputDelta(msgspec.Struct, tag="delta", omit_defaults=True):
     """Newly generated text/tokens of one request; the last one has finish_reason set.
 
-    finish_reason "error" comes with `error` naming the problem. Timestamps are server
-    monotonic seconds (arrival, first scheduled, end of the iteration of each token).
+    finish_reason "error" comes with `error` naming the problem and, for a rejected
+    request, `error_field` naming the offending field ("prompt", "params.temperature",
+    "messages[0].role", ...). The first delta of a request carries its prompt_token_ids.
+    Timestamps are server monotonic seconds (arrival, first scheduled, end of the
+    iteration of each token).
     """
 
     request_id: str
@@ -68,6 +83,7 @@ class OutputDelta(msgspec.Struct, tag="delta", omit_defaults=True):
     token_ids: list[int] = []
     finish_reason: str = ""
     error: str = ""
+    error_field: str = ""
     prompt_token_ids: list[int] = []
     arrival_time: float = 0.0
     first_scheduled_time: float = 0.0
@@ -82,7 +98,10 @@ class StatsReply(msgspec.Struct, tag="stats_reply"):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
-    """Sent to clients with requests in flight, so a dead engine is noticed, not waited on."""
+    """Sent to clients with requests in flight, so a dead engine is noticed, not waited on.
+
+    Clients answer each one with a `Pong` carrying the same time.
+    """
 
     time: float
 
@@ -162,7 +181,14 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     reason: str
 
 
-FrontendInbound = OutputBatch | StatsAnswer | EngineDead
+class Drain(msgspec.Struct, tag="drain", array_like=True):
+    """From the launcher (SIGTERM): refuse new requests, let in-flight ones finish for up
+    to `timeout` seconds, abort the rest, then answer `Drained`."""
+
+    timeout: float
+
+
+FrontendInbound = OutputBatch | StatsAnswer | EngineDead | Drain
 
 
 # ---- every process -> launcher -------------------------------------------------------
@@ -181,4 +207,11 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
     error: str
 
 
-LauncherInbound = Ready | Failed
+class Drained(msgspec.Struct, tag="drained", array_like=True):
+    """From the frontend: after a `Drain`, no request is in flight any more."""
+
+    num_finished: int
+    num_aborted: int
+
+
+LauncherInbound = Ready | Failed | Drained

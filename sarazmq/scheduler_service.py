@@ -62,15 +62,14 @@ class SchedulerService:
                     msg.request_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time
                 )
             except ValueError as e:
-                acts.to_frontend.append(
-                    OutputBatch(
-                        [
-                            OutputDelta(
-                                request_id=msg.request_id, finish_reason="error", error=str(e)
-                            )
-                        ]
-                    )
+                text = str(e)
+                reply = OutputDelta(
+                    request_id=msg.request_id,
+                    finish_reason="error",
+                    error=text,
+                    error_field="prompt" if "prompt" in text else "",
                 )
+                acts.to_frontend.append(OutputBatch([reply]))
                 return
             acts.detok(
                 detokenizer_shard(msg.request_id, self.num_detokenizers),

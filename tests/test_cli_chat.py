@@ -2,41 +2,86 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 
 import pexpect
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
+def _deployment_of(pid: int) -> tuple[list[int], set[str]]:
+    """The sarazmq processes under `pid` and the run directories their ipc sockets are in."""
+    procs, rundirs = [], set()
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "sarazmq.procs." not in " ".join(p.cmdline()):
+                continue
+            procs.append(p.pid)
+            for conn in p.net_connections(kind="unix"):
+                if isinstance(conn.laddr, str) and "/sarazmq-" in conn.laddr:
+                    rundirs.add(os.path.dirname(conn.laddr))
+        except psutil.NoSuchProcess:
+            continue
+    return procs, rundirs
+
+
+def _alive(pids: list[int]) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                living.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return living
+
+
 def test_chat_two_turns_in_a_pty() -> None:
-    before = subprocess.run(["pgrep", "-f", "sarazmq.procs"], capture_output=True, text=True).stdout
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "sarazmq.cli", "chat", "--max-tokens", "48", "--num-kv-blocks", "256",
-         "--max-model-len", "1024"],
+        [
+            "-m",
+            "sarazmq.cli",
+            "chat",
+            "--max-tokens",
+            "48",
+            "--num-kv-blocks",
+            "256",
+            "--max-model-len",
+            "1024",
+        ],
         encoding="utf-8",
         timeout=240,
     )
     try:
         child.expect("chat ready")
         child.expect("you> ")
-        child.sendline("My favourite colour is green. Reply with just OK.")
+        procs, rundirs = _deployment_of(child.pid)
+        assert len(procs) == 4, procs
+        child.sendline("Let us talk about the Eiffel Tower.")
         child.expect("assistant> ")
         child.expect("you> ")
         first = child.before
-        child.sendline("What is my favourite colour? Answer with one word.")
+        # "it" is only resolvable from the first turn
+        child.sendline("In which city is it?")
         child.expect("assistant> ")
         child.expect("you> ")
         second = child.before
-        assert "green" in second.lower(), (first, second)
-        # /reset clears the history: the colour is gone
+        assert "paris" in second.lower(), (first, second)
+        # /reset clears the history: the same question no longer knows what "it" is
         child.sendline("/reset")
         child.expect("history cleared")
         child.expect("you> ")
+        child.sendline("In which city is it?")
+        child.expect("assistant> ")
+        child.expect("you> ")
+        third = child.before
+        assert "paris" not in third.lower(), (second, third)
         child.sendline("/exit")
         child.expect(pexpect.EOF, timeout=60)
     finally:
@@ -44,16 +89,28 @@ def test_chat_two_turns_in_a_pty() -> None:
             child.terminate(force=True)
     child.close()
     assert child.exitstatus == 0
-    after = subprocess.run(["pgrep", "-f", "sarazmq.procs"], capture_output=True, text=True).stdout
-    assert set(after.split()) <= set(before.split())
+    # the deployment it started is gone: no process of it, no run directory
+    assert _alive(procs) == [], procs
+    assert rundirs and not any(os.path.exists(d) for d in rundirs)
 
 
 @pytest.mark.skipif(shutil.which("sarazmq") is None, reason="console script not installed")
 def test_generate_command_streams_an_answer() -> None:
     out = subprocess.run(
-        ["sarazmq", "generate", "What is the capital of France?", "--max-tokens", "16",
-         "--num-kv-blocks", "128", "--max-model-len", "512"],
-        capture_output=True, text=True, timeout=240,
+        [
+            "sarazmq",
+            "generate",
+            "What is the capital of France?",
+            "--max-tokens",
+            "16",
+            "--num-kv-blocks",
+            "128",
+            "--max-model-len",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

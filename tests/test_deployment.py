@@ -199,14 +199,36 @@ def test_tp3_equals_tp1(reference) -> None:
             assert c.generate(p, GREEDY).token_ids == reference[p]
 
 
-def _sarazmq_procs() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "sarazmq.procs"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+def _children(pid: int) -> dict[int, str]:
+    """pid -> cmdline of every sarazmq process descending from `pid` (not anyone else's)."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "sarazmq.procs." in cmd:
+            out[p.pid] = cmd
+    return out
+
+
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    living = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                living.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return living
 
 
 def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -> None:
     endpoint = f"ipc://{tmp_path}/kill.ipc"
-    before = set(_sarazmq_procs())
     serve = subprocess.Popen(
         [
             sys.executable,
@@ -221,6 +243,8 @@ def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -
             "1024",
             "--num-kv-blocks",
             "512",
+            "--threads",
+            "1",
             "--log-level",
             "ERROR",
         ],
@@ -231,24 +255,27 @@ def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -
     try:
         line = serve.stdout.readline()
         assert "serving" in line, serve.stderr.read() if serve.poll() is not None else line
-        workers = [p for p in _sarazmq_procs() if p not in before and "procs.worker" in p]
-        assert len(workers) == 1
-        worker_pid = int(workers[0].split()[0])
+        rundir = line.rsplit("internal sockets in ", 1)[1].strip()
+        procs = _children(serve.pid)
+        assert len(procs) == 4, procs  # worker, scheduler, detokenizer, frontend
+        (worker_pid,) = [pid for pid, cmd in procs.items() if "procs.worker" in cmd]
         errors: list[float] = []
+        started = [threading.Event() for _ in range(4)]
         with Client(endpoint) as client:
             params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
 
-            def run() -> None:
+            def run(i: int) -> None:
                 try:
                     for _ in client.stream("Tell me a long story.", params):
-                        pass
+                        started[i].set()
                 except EngineError:
                     errors.append(time.monotonic())
 
-            threads = [threading.Thread(target=run) for _ in range(4)]
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
             for t in threads:
                 t.start()
-            time.sleep(2.0)
+            for ev in started:  # every request is generating
+                assert ev.wait(180)
             killed_at = time.monotonic()
             os.kill(worker_pid, signal.SIGKILL)
             for t in threads:
@@ -256,12 +283,30 @@ def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -
         assert len(errors) == 4
         assert max(errors) - killed_at < 10
         assert serve.wait(15) != 0
-        time.sleep(0.5)
-        assert [p for p in _sarazmq_procs() if p not in before] == []
+        assert "worker-0" in serve.stderr.read()
+        deadline = time.monotonic() + 5
+        while _alive(list(procs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(list(procs)) == []
         assert not os.path.exists(f"{tmp_path}/kill.ipc")
+        assert not os.path.exists(rundir)
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_ipc_endpoints_are_owner_only(deployment: Deployment) -> None:
+    """Internal sockets live in a 0700 directory; the public ipc socket file is 0600."""
+    import stat
+
+    assert stat.S_IMODE(os.stat(deployment.rundir).st_mode) == 0o700
+    eps = deployment.endpoints
+    internal = [eps.scheduler_in, eps.frontend_in, eps.worker_result, eps.launcher]
+    internal += eps.worker_plans + eps.detokenizers
+    for ep in [*internal, eps.public]:
+        path = ep[len("ipc://") :]
+        assert os.path.dirname(path) == deployment.rundir, ep
+        assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0, (ep, oct(os.stat(path).st_mode))
 
 
 def test_startup_failure_is_reported() -> None:

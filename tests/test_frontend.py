@@ -5,17 +5,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sarazmq.frontend import Frontend
+from sarazmq.frontend import Frontend, error_field
 from sarazmq.protocol import (
     Abort,
     AbortRequest,
     AddRequest,
     ChatMessage,
+    Drain,
     EngineDead,
     GenerateRequest,
     Heartbeat,
     OutputBatch,
     OutputDelta,
+    Pong,
     ProtocolError,
     StatsAnswer,
     StatsQuery,
@@ -99,6 +101,8 @@ def test_bad_sampling_params_over_the_wire(frontend: Frontend) -> None:
         enc.encode({"type": "nope"}),
         enc.encode({"type": "generate"})[:-1],
         b"\x80\x04\x95cos\nsystem\n",
+        b"\x91" * 100_000,  # nested 100k deep: msgspec raises RecursionError
+        b"\xdd\xff\xff\xff\xff",  # an array header claiming 4G elements
     ],
 )
 def test_garbage_frames_get_protocol_errors(frontend: Frontend, frame: bytes) -> None:
@@ -145,7 +149,8 @@ def test_stats_round_trip(frontend: Frontend) -> None:
     ((ident, reply),) = frontend.on_engine_message(
         StatsAnswer(q.request_id, {"running": 0})
     ).to_clients
-    assert ident == b"c1" and isinstance(reply, StatsReply) and reply.stats == {"running": 0}
+    assert ident == b"c1" and isinstance(reply, StatsReply) and reply.stats["running"] == 0
+    assert reply.stats["frontend"]["num_frames"] == 1
 
 
 def test_engine_death_fails_every_inflight_request(frontend: Frontend) -> None:
@@ -191,3 +196,121 @@ def test_gguf_tokenizer_cache_round_trip(tmp_path, monkeypatch) -> None:
         msgs, tokenize=False
     )
     assert second.eos_token_id == first.eos_token_id
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"temperature": -3}, "params.temperature"),
+        ({"top_p": 0}, "params.top_p"),
+        ({"temperature": "hot"}, "params.temperature"),
+        ({"bogus": 1}, "params.bogus"),
+        ({"max_tokens": 0}, "params.max_tokens"),
+        ({"logprobs": 99}, "params.logprobs"),
+    ],
+)
+def test_invalid_fields_are_named(frontend: Frontend, params: dict, field: str) -> None:
+    frame = enc.encode({"type": "generate", "request_id": "r", "prompt": "hi", "params": params})
+    ((_, reply),) = frontend.on_client_frame(b"c1", frame).to_clients
+    assert isinstance(reply, OutputDelta) and reply.finish_reason == "error"
+    assert reply.error_field == field, reply.error
+
+
+def test_bad_request_fields_are_named(frontend: Frontend) -> None:
+    cases = [
+        (GenerateRequest("r", prompt=""), "prompt"),
+        (GenerateRequest("r", prompt="x" * 100), "prompt"),
+        (GenerateRequest("r", prompt_token_ids=[1, 500]), "prompt_token_ids"),
+        (GenerateRequest("r", messages=[ChatMessage("robot", "x")]), "messages[0].role"),
+    ]
+    for req, field in cases:
+        ((_, reply),) = frontend.on_client_frame(b"c1", enc.encode(req)).to_clients
+        assert reply.error_field == field, reply.error
+    unknown = enc.encode({"type": "generate", "request_id": "r", "prompt": "hi", "x": 1})
+    ((_, reply),) = frontend.on_client_frame(b"c1", unknown).to_clients
+    assert reply.error_field == "x"
+    assert frontend.rejected["bad_request"] == 4 and frontend.rejected["invalid"] == 1
+
+
+def test_error_field_parsing() -> None:
+    assert error_field("Expected `int`, got `str` - at `$.params.top_k`") == "params.top_k"
+    assert error_field("Object missing required field `request_id`") == "request_id"
+    assert error_field("Expected `array`, got `str` - at `$.messages[0]`") == "messages[0]"
+    assert error_field("nothing to see") == ""
+
+
+def test_first_output_carries_prompt_token_ids(frontend: Frontend) -> None:
+    (add,) = frontend.on_client_frame(
+        b"c1", enc.encode(GenerateRequest("a", prompt="hey"))
+    ).to_scheduler
+    eid = add.request_id
+    first = frontend.on_engine_message(OutputBatch([OutputDelta(request_id=eid, text="x")]))
+    second = frontend.on_engine_message(
+        OutputBatch([OutputDelta(request_id=eid, text="y", finish_reason="length")])
+    )
+    assert first.to_clients[0][1].prompt_token_ids == add.prompt_token_ids
+    assert second.to_clients[0][1].prompt_token_ids == []
+    assert frontend.clients == {} and frontend.inflight == {}
+
+
+def test_client_that_stops_answering_heartbeats_expires() -> None:
+    clock = FakeClock()
+    fe = Frontend(
+        TokenizerManager(CharTokenizer(), vocab_size=100, max_model_len=64),
+        client_timeout=5.0,
+        clock=clock,
+    )
+    for ident in (b"live", b"mute"):
+        fe.on_client_frame(ident, enc.encode(GenerateRequest("a", prompt="x")))
+    clock.now += 4.0
+    fe.on_client_frame(b"live", enc.encode(Pong(time=clock.now)))
+    assert fe.expired_clients() == []
+    clock.now += 2.0
+    assert fe.expired_clients() == [b"mute"]
+    (abort,) = fe.on_client_gone(b"mute", "no_pong").to_scheduler
+    assert abort.request_id == Frontend.engine_id(b"mute", "a")
+    # forgotten: its late outputs are dropped, nothing more is sent to it
+    out = fe.on_engine_message(OutputBatch([OutputDelta(request_id=abort.request_id, text="z")]))
+    assert out.to_clients == [] and fe.clients_gone == {"no_pong": 1}
+    assert [i for i, _ in fe.heartbeats()] == [b"live"]
+    # a Pong from an unknown client creates no state
+    fe.on_client_frame(b"stranger", enc.encode(Pong(time=1.0)))
+    assert b"stranger" not in fe.clients
+
+
+def test_drain_refuses_new_requests_then_aborts_the_rest() -> None:
+    clock = FakeClock()
+    fe = Frontend(TokenizerManager(CharTokenizer(), vocab_size=100, max_model_len=64), clock=clock)
+    (a,) = fe.on_client_frame(b"c", enc.encode(GenerateRequest("a", prompt="x"))).to_scheduler
+    (b,) = fe.on_client_frame(b"c", enc.encode(GenerateRequest("b", prompt="y"))).to_scheduler
+    fe.on_engine_message(Drain(timeout=10.0))
+    ((_, refused),) = fe.on_client_frame(
+        b"c", enc.encode(GenerateRequest("n", prompt="z"))
+    ).to_clients
+    assert refused.finish_reason == "error" and "shutting down" in refused.error
+    fe.on_engine_message(OutputBatch([OutputDelta(request_id=a.request_id, finish_reason="stop")]))
+    assert not fe.drained and fe.drain_tick().to_scheduler == []
+    clock.now += 11.0
+    (abort,) = fe.drain_tick().to_scheduler
+    assert abort.request_id == b.request_id
+    assert fe.drain_tick().to_scheduler == []  # once
+    acts = fe.on_engine_message(
+        OutputBatch([OutputDelta(request_id=b.request_id, finish_reason="abort")])
+    )
+    assert acts.to_clients[0][1].finish_reason == "abort"
+    assert fe.drained and (fe.drain_finished, fe.drain_aborted) == (1, 1)
+
+
+def test_reject_frame_counts_and_replies(frontend: Frontend) -> None:
+    for _ in range(3):
+        ((ident, reply),) = frontend.reject_frame(b"c9", "multipart", "2 frames").to_clients
+        assert ident == b"c9" and isinstance(reply, ProtocolError)
+    assert frontend.rejected["multipart"] == 3
