@@ -69,12 +69,15 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> 
 def test_stop_strings_and_stop_ids_finish_with_stop(llm: LLM) -> None:
     base = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     stop = base.text[5:9]
-    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0]
+    # ignore_eos in every run: on a raw (non-chat) prompt this model emits EOS first
+    out = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True)
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == base.text[: base.text.index(stop)]
     assert stop not in out.text
     stop_id = base.token_ids[3]
-    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24,
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                    stop_token_ids=[stop_id]))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]

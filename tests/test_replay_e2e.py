@@ -22,6 +22,10 @@ from sarazmq.replay.report import write_run
 from sarazmq.replay.workload import WorkloadSpec, build_workload, describe
 
 AZURE_CONV = Path(__file__).parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+# the traces live in ../shared beside the repository (as in CI); skip, like test_replay.py
+needs_traces = pytest.mark.skipif(
+    not AZURE_CONV.is_file(), reason=f"real traces not found at {AZURE_CONV}"
+)
 VOCAB = 49152
 SPECIAL = tuple(range(17))  # SmolLM2's special tokens
 RUN_FILES = (
@@ -55,6 +59,7 @@ def deployment():
 
 
 @pytest.mark.model
+@needs_traces
 def test_replay_azure_records_and_outputs(deployment, tmp_path: Path) -> None:
     spec = WorkloadSpec(
         vocab_size=VOCAB,
@@ -239,6 +244,7 @@ def test_parse_id_ranges() -> None:
             parse_id_ranges(bad)
 
 
+@needs_traces
 def test_workload_spec_from_options() -> None:
     base = {
         "trace_kind": "auto",
