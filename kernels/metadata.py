@@ -15,7 +15,7 @@ Layout conventions (all backends rely on them):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,13 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have q_len == 1
     q_lens: list[int]  # host copies (no device sync to read them)
     k_lens: list[int]
+    # Per-step scratch of the attention backend (index tensors, masks): derived from the
+    # fields above by the first layer that needs them and reused by the other layers, so
+    # that work is done once per iteration rather than once per layer. Never part of the
+    # metadata's meaning; a fresh metadata starts empty.
+    derived: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    # [T] int64 absolute position of every query token (k_len - q_len + j); set by `build`
+    positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -50,37 +57,66 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Builds the metadata from host lists (decodes first, then prefills)."""
-        if not (len(q_lens) == len(k_lens) == len(block_tables)):
+        """Builds the metadata from host lists (decodes first, then prefills).
+
+        Vectorized: the per-token slot mapping is computed with tensor ops on the padded
+        block table, with no Python loop over tokens.
+        """
+        num_seqs = len(q_lens)
+        if not (num_seqs == len(k_lens) == len(block_tables)):
             raise ValueError("q_lens, k_lens and block_tables must have one entry per sequence")
         num_decodes = 0
         for q in q_lens:
             if q != 1:
                 break
             num_decodes += 1
-        slots: list[int] = []
-        for q, k, table in zip(q_lens, k_lens, block_tables):
+        table_lens = [len(t) for t in block_tables]
+        for q, k, n in zip(q_lens, k_lens, table_lens):
             if k < q:
                 raise ValueError(f"k_len {k} < q_len {q}")
-            if (k + block_size - 1) // block_size > len(table):
-                raise ValueError(f"block table of {len(table)} blocks too short for {k} tokens")
-            for pos in range(k - q, k):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-        cu = [0]
-        for q in q_lens:
-            cu.append(cu[-1] + q)
+            if (k + block_size - 1) // block_size > n:
+                raise ValueError(f"block table of {n} blocks too short for {k} tokens")
+        max_blocks = max(table_lens, default=0)
+        # one flat list, then a single tensor conversion (per sequence, not per token)
+        padded: list[int] = []
+        for t, n in zip(block_tables, table_lens):
+            padded.extend(t)
+            if n < max_blocks:
+                padded.extend([0] * (max_blocks - n))
+        tables = torch.tensor(padded, dtype=torch.int32).reshape(num_seqs, max_blocks)
+        q_t = torch.tensor(q_lens, dtype=torch.int64)  # [B]
+        k_t = torch.tensor(k_lens, dtype=torch.int64)  # [B]
+        positions = token_positions(q_t, k_t)  # [T]
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_t)  # [T]
+        if positions.numel():
+            block = tables[seq_of_token, positions // block_size].to(torch.int64)
+            slots = block * block_size + positions % block_size  # [T]
+        else:
+            slots = torch.zeros(0, dtype=torch.int64)
+        cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(q_t, 0, out=cu[1:])
         return AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            seq_lens_k=torch.tensor(k_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
-                len(block_tables), max_blocks
-            ),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            cu_seqlens_q=cu.to(device),
+            seq_lens_k=k_t.to(device=device, dtype=torch.int32),
+            block_tables=tables.to(device),
+            slot_mapping=slots.to(device),
             max_seqlen_q=max(q_lens, default=0),
             max_seqlen_k=max(k_lens, default=0),
             num_decodes=num_decodes,
             q_lens=list(q_lens),
             k_lens=list(k_lens),
+            positions=positions.to(device),
         )
+
+
+def token_positions(q_lens: torch.Tensor, k_lens: torch.Tensor) -> torch.Tensor:
+    """Absolute position of every packed query token: [T] int64.
+
+    q_lens, k_lens: [B] int64. Sequence i contributes positions k_i - q_i .. k_i - 1.
+    """
+    total = int(q_lens.sum())
+    starts = k_lens - q_lens  # [B] first position of each sequence's queries
+    cu = torch.cumsum(q_lens, 0) - q_lens  # [B] offset of each sequence in the packed axis
+    # token j of the packed axis belongs to sequence i: position = starts_i + (j - cu_i)
+    shift = torch.repeat_interleave(starts - cu, q_lens, output_size=total)  # [T]
+    return torch.arange(total, dtype=torch.int64) + shift

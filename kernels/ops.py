@@ -30,11 +30,36 @@ def rms_norm(
     if residual is not None:
         # same operand order as the reference (residual + hidden)
         x = residual + x
-    new_residual = x
+    return _rms(x, weight, eps), x
+
+
+def rms_norm_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` that adds x into `residual` in place (no new residual tensor).
+
+    Same values as `rms_norm` (addition is commutative in IEEE arithmetic); for the
+    model's hot loop, where the residual stream is a tensor the model owns.
+    """
+    if residual is not None:
+        x = residual.add_(x)
+    return _rms(x, weight, eps), x
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm, operation for operation (float32 reduction, cast back
+    # before the weight multiply), with the intermediates updated in place
     xf = x.to(torch.float32)
     variance = xf.pow(2).mean(-1, keepdim=True)  # [..., 1]
-    normed = xf * torch.rsqrt(variance + eps)
-    return weight * normed.to(x.dtype), new_residual
+    normed = xf * torch.rsqrt(variance.add_(eps))
+    if normed.dtype != x.dtype:
+        normed = normed.to(x.dtype)
+    if weight.dtype == normed.dtype and weight.shape == normed.shape[-1:]:
+        return normed.mul_(weight)  # == weight * normed, without a new tensor
+    return weight * normed
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
@@ -96,12 +121,36 @@ def build_rope_cache(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, D]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos/sin: [T, 1, D/2]. Equals x*cat(cos,cos) + rotate_half(x)*cat(sin,sin)
+def rope_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rotation tables for `apply_rope_`, built once per forward pass.
+
+    positions: [T] int; cos_sin_cache: [P, D] float32 from `build_rope_cache`.
+    Returns (cos, sin_signed), each [T, 1, D] in `dtype`: cos = cat(cos, cos) and
+    sin_signed = cat(-sin, sin), cast to `dtype` first as transformers does.
+    """
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions.to(torch.long)).to(dtype)  # [T, D]
+    cos, sin = cs[:, :half], cs[:, half:]
+    cos_full = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
+    sin_signed = torch.cat((-sin, sin), dim=-1).unsqueeze(1)  # [T, 1, D]
+    return cos_full, sin_signed
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in place (HF rotate_half convention); returns x.
+
+    x: [T, heads, D], any strides with a unit last stride (e.g. the q and k heads of one
+    fused qkv projection output, rotated together); cos, sin_signed: [T, 1, D] from
+    `rope_cos_sin`. Computes x * cos + rotate_half(x) * sin with the same roundings as
+    transformers: rotate_half(x) * sin = cat(-x2, x1) * cat(sin, sin)
+    = cat(x2, x1) * cat(-sin, sin), and negation is exact.
+    """
     half = x.shape[-1] // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    swapped = torch.roll(x, half, dims=-1)  # cat(x2, x1), a new tensor
+    swapped.mul_(sin_signed)
+    return x.mul_(cos).add_(swapped)
 
 
 def apply_rope(
@@ -121,7 +170,49 @@ def apply_rope(
         raise ValueError(
             f"cos_sin_cache last dim {cos_sin_cache.shape[-1]} != head_dim {q.shape[-1]}"
         )
-    cs = cos_sin_cache.index_select(0, positions.to(torch.long))  # [T, D]
-    cos = cs[:, None, :half].to(q.dtype)  # [T, 1, D/2]
-    sin = cs[:, None, half:].to(q.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+    cos, sin = rope_cos_sin(positions, cos_sin_cache, q.dtype)
+    q_out = apply_rope_(q.clone(), cos, sin)
+    if k.dtype != q.dtype:
+        cos, sin = cos.to(k.dtype), sin.to(k.dtype)
+    return q_out, apply_rope_(k.clone(), cos, sin)
+
+
+# ---------------------------------------------------------------------------- linear
+
+
+def can_prepack_linear(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether `prepack_linear` applies: bf16 on a CPU with oneDNN (mkldnn).
+
+    For bf16 on CPU, `F.linear` goes through oneDNN and reorders the weight into its
+    blocked layout on every call; prepacking once saves that (1.2-2x per matmul, more for
+    small batches) with bit-identical results. float32 uses MKL, which gains nothing.
+    """
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def prepack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> an opaque oneDNN tensor for `linear(..., packed=)`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` ([..., in] -> [..., out]), through the prepacked
+    weight when one is given (same values, see `can_prepack_linear`)."""
+    if packed is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), weight, bias, packed).view(
+            *x.shape[:-1], weight.shape[0]
+        )
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

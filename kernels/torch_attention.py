@@ -39,13 +39,69 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, k_len: int) -> tor
     block_size = cache.shape[1]
     num_blocks = (k_len + block_size - 1) // block_size
     blocks = block_table[:num_blocks].to(torch.long)
-    return cache.index_select(0, blocks).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
+    return _gather_blocks(cache, blocks).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] ([n, block_size, Hkv, D]) as one row gather of whole blocks.
+
+    `index_select` on the cache viewed as [num_blocks, block_size * Hkv * D] copies each
+    block as one contiguous row, several times faster than advanced indexing of the 4-d
+    cache (which goes element by element).
+    """
+    return cache.flatten(1).index_select(0, blocks).view(-1, *cache.shape[1:])
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # 0 where attending is allowed, -inf elsewhere: SDPA adds it to the scores directly
+    # (a boolean mask is converted to this form inside every call)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
+
+
+# gathered K+V bytes per group of decodes (about an L2 cache; see `_decodes`)
+_DECODE_GROUP_BYTES = 6 * 1024 * 1024
 
 
 class TorchPagedAttention:
-    """Paged attention with `F.scaled_dot_product_attention` (GQA via enable_gqa)."""
+    """Paged attention with `F.scaled_dot_product_attention`.
+
+    Decodes: one call for all of them, KV gathered block-wise through the block tables,
+    the query heads sharing a KV head folded into that head's query rows (GQA without
+    repeating K/V). Prefill chunks: one call each, causal (fresh prompt) or with a mask
+    offset by the cached context (later chunk). Always 4-d inputs: 3-d inputs with
+    `enable_gqa` fall back to SDPA's slow math path on CPU. Index tensors and masks are
+    built by the first layer and reused by the others through `meta.derived`.
+    """
 
     name = "torch"
+
+    def __init__(self, decode_group_bytes: int = _DECODE_GROUP_BYTES) -> None:
+        if decode_group_bytes < 1:
+            raise ValueError(f"decode_group_bytes={decode_group_bytes} must be >= 1")
+        self.decode_group_bytes = decode_group_bytes
+        # Reused gather destinations for K and V (layers run one after another, so one
+        # pair serves them all): a fresh multi-MB tensor per layer costs page faults and
+        # cache misses that are as slow as the gather itself.
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def _gather(self, which: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """`_gather_blocks` into the reusable buffer `which` ("k" or "v")."""
+        row = cache[0].numel()
+        n = blocks.numel()
+        buf = self._scratch.get(which)
+        if (
+            buf is None
+            or buf.dtype != cache.dtype
+            or buf.device != cache.device
+            or buf.numel() < n * row
+        ):
+            buf = torch.empty(max(n * row, 1), dtype=cache.dtype, device=cache.device)
+            self._scratch[which] = buf
+        out = buf[: n * row].view(n, row)
+        torch.index_select(cache.flatten(1), 0, blocks, out=out)
+        return out.view(n, *cache.shape[1:])  # [n, block_size, Hkv, D]
 
     def forward(
         self,
@@ -63,56 +119,110 @@ class TorchPagedAttention:
         k_cache, v_cache: [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
         """
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)  # [T, H, D]
         nd = meta.num_decodes
-        block_size = k_cache.shape[1]
-
+        if 0 < nd == meta.num_seqs == q.shape[0]:
+            return self._decodes(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)  # [T, H, D]
         if nd > 0:
-            # all decodes in one call: gather their KV padded to the longest, mask the tail
-            max_k = max(meta.k_lens[:nd])
-            nblk = (max_k + block_size - 1) // block_size
-            tables = meta.block_tables[:nd, :nblk].to(torch.long)  # [nd, nblk]
-            kd = k_cache[tables].flatten(1, 2)[:, :max_k]  # [nd, max_k, Hkv, D]
-            vd = v_cache[tables].flatten(1, 2)[:, :max_k]
-            key_pos = torch.arange(max_k, device=q.device)
-            lens = meta.seq_lens_k[:nd].to(device=q.device, dtype=torch.long)
-            mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [nd, 1, 1, max_k]
-            od = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),  # [nd, H, 1, D]
-                kd.transpose(1, 2),  # [nd, Hkv, max_k, D]
-                vd.transpose(1, 2),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[:nd] = od.squeeze(2)
+            out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, scale)
 
         start = nd  # decodes occupy the first nd tokens
         for i in range(nd, meta.num_seqs):
             q_len, k_len = meta.q_lens[i], meta.k_lens[i]
             end = start + q_len
-            qi = q[start:end].transpose(0, 1)  # [H, q_len, D]
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if k_len == q_len:
                 # no earlier context: this chunk's own k/v are the whole sequence
-                ki = k[start:end].transpose(0, 1)  # [Hkv, k_len, D]
-                vi = v[start:end].transpose(0, 1)
+                ki = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, k_len, D]
+                vi = v[start:end].transpose(0, 1).unsqueeze(0)
                 oi = F.scaled_dot_product_attention(
                     qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
                 )
             else:
-                table = meta.block_tables[i]
-                ki = gather_kv(k_cache, table, k_len).transpose(0, 1)  # [Hkv, k_len, D]
-                vi = gather_kv(v_cache, table, k_len).transpose(0, 1)
-                # query j sits at absolute position k_len - q_len + j, sees keys <= it
-                qpos = torch.arange(k_len - q_len, k_len, device=q.device)
-                kpos = torch.arange(k_len, device=q.device)
-                mask = kpos[None, :] <= qpos[:, None]  # [q_len, k_len]
+                blocks, mask = self._chunk_index(meta, i, k_cache.shape[1], q.dtype)
+                ki = self._gather("k", k_cache, blocks).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
+                vi = self._gather("v", v_cache, blocks).flatten(0, 1)[:k_len]
                 oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+                    qi,
+                    ki.transpose(0, 1).unsqueeze(0),  # [1, Hkv, k_len, D]
+                    vi.transpose(0, 1).unsqueeze(0),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=True,
                 )
-            out[start:end] = oi.transpose(0, 1)
+            out[start:end] = oi[0].transpose(0, 1)
             start = end
         return out
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of the first nd (single-token) sequences: q [nd, H, D] -> [nd, H, D]."""
+        nd, h, d = q.shape
+        hkv = k_cache.shape[2]
+        block_size = k_cache.shape[1]
+        derived = meta.derived
+        max_k = max(meta.k_lens[:nd])
+        blocks = derived.get("decode_blocks")
+        if blocks is None:
+            nblk = (max_k + block_size - 1) // block_size
+            blocks = meta.block_tables[:nd, :nblk].to(torch.long).reshape(-1)  # [nd * nblk]
+            derived["decode_blocks"] = blocks
+            if any(kl != max_k for kl in meta.k_lens[:nd]):
+                lens = meta.seq_lens_k[:nd].to(device=q.device, dtype=torch.long)
+                allowed = torch.arange(max_k, device=q.device)[None, :] < lens[:, None]
+                derived["decode_mask"] = _additive_mask(allowed, q.dtype)[:, None, None, :]
+        mask = derived.get("decode_mask")  # [nd, 1, 1, max_k], None when no padding
+        nblk = blocks.numel() // nd
+        # Sequences go in groups whose gathered K+V fit in the L2 cache: SDPA then reads
+        # the copies from cache instead of memory, and the reused scratch never needs
+        # writing back (memory traffic, not math, bounds decode attention).
+        per_seq = 2 * nblk * k_cache[0].numel() * k_cache.element_size()
+        group = max(1, self.decode_group_bytes // per_seq)
+        out = q.new_empty(nd, hkv, h // hkv, d) if group < nd else None
+        for s in range(0, nd, group):
+            e = min(nd, s + group)
+            sel = blocks[s * nblk : e * nblk]
+            kd = self._gather("k", k_cache, sel).view(e - s, -1, hkv, d)[:, :max_k]
+            vd = self._gather("v", v_cache, sel).view(e - s, -1, hkv, d)[:, :max_k]
+            # the h // hkv query heads of one KV head become that head's query rows
+            og = F.scaled_dot_product_attention(
+                q[s:e].view(e - s, hkv, h // hkv, d),  # [n, Hkv, G, D]
+                kd.transpose(1, 2),  # [n, Hkv, max_k, D]
+                vd.transpose(1, 2),
+                attn_mask=None if mask is None else mask[s:e],
+                scale=scale,
+            )
+            if out is None:
+                return og.reshape(nd, h, d)
+            out[s:e] = og
+        return out.view(nd, h, d)
+
+    @staticmethod
+    def _chunk_index(
+        meta: AttentionMetadata, i: int, block_size: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids and additive mask [q_len, k_len] of prefill chunk i (cached per step)."""
+        key = f"chunk{i}"
+        blocks = meta.derived.get(key + "_blocks")
+        mask = meta.derived.get(key + "_mask")
+        if blocks is None or mask is None:
+            q_len, k_len = meta.q_lens[i], meta.k_lens[i]
+            nblk = (k_len + block_size - 1) // block_size
+            device = meta.block_tables.device
+            blocks = meta.block_tables[i, :nblk].to(torch.long)
+            # query j sits at absolute position k_len - q_len + j, sees keys <= it
+            qpos = torch.arange(k_len - q_len, k_len, device=device)
+            kpos = torch.arange(k_len, device=device)
+            mask = _additive_mask(kpos[None, :] <= qpos[:, None], dtype)  # [q_len, k_len]
+            meta.derived[key + "_blocks"] = blocks
+            meta.derived[key + "_mask"] = mask
+        return blocks, mask
 
 
 def reference_attention(

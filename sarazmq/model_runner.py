@@ -71,12 +71,13 @@ class ModelRunner:
         # Decodes (one token) first, so the attention backend can batch them.
         order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i].num_tokens != 1)
         input_ids: list[int] = []
-        positions: list[int] = []
         q_lens: list[int] = []
         k_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # row in the packed batch whose logits are sampled
         sample_seq_ids: list[int] = []
+        # per sequence only: token ids are copied slice-wise, positions and cache slots
+        # are computed with tensor ops in AttentionMetadata.build
         for i in order:
             item = plan.scheduled[i]
             state = self.seqs.get(item.seq_id)
@@ -87,16 +88,20 @@ class ModelRunner:
                     f"step {plan.step}: seq {item.seq_id} start_pos {item.start_pos} != "
                     f"computed {state.num_computed}"
                 )
-            state.token_ids.extend(item.append_token_ids)
-            state.block_ids.extend(item.new_block_ids)
+            if item.append_token_ids:
+                state.token_ids.extend(item.append_token_ids)
+            if item.new_block_ids:
+                state.block_ids.extend(item.new_block_ids)
             end = item.start_pos + item.num_tokens
             if end > len(state.token_ids):
                 raise PlanError(
                     f"step {plan.step}: seq {item.seq_id} asks for positions up to {end} but "
                     f"only {len(state.token_ids)} tokens are known"
                 )
-            input_ids.extend(state.token_ids[item.start_pos : end])
-            positions.extend(range(item.start_pos, end))
+            if item.num_tokens == 1:
+                input_ids.append(state.token_ids[item.start_pos])
+            else:
+                input_ids.extend(state.token_ids[item.start_pos : end])
             q_lens.append(item.num_tokens)
             k_lens.append(end)
             tables.append(state.block_ids)
@@ -107,7 +112,7 @@ class ModelRunner:
 
         meta = AttentionMetadata.build(q_lens, k_lens, tables, self.block_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        pos_t = meta.positions  # [T]
         with torch.inference_mode():
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
             if self.sampler is None or not sample_rows:

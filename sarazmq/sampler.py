@@ -280,23 +280,31 @@ def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         r = _index(sort_rows, device)
         xs = x[r]  # [M, V]
         ks = [min(params[i].top_k, vocab) if params[i].top_k != -1 else vocab for i in sort_rows]
-        # only the values matter (ties need no order); when every row has a top-k, the
-        # largest k values suffice, and they are all top-p needs after top-k: [M, K <= V]
-        max_k = max(ks)
-        if max_k < vocab:
-            sorted_vals = xs.topk(max_k, dim=-1, sorted=True).values
-        else:
-            sorted_vals = xs.sort(dim=-1, descending=True).values
-        k_t = torch.tensor(ks, dtype=torch.long, device=device).unsqueeze(1)  # [M, 1]
-        kth = sorted_vals.gather(1, k_t - 1)  # [M, 1], the k-th largest logit
-        xs = xs.masked_fill(xs < kth, neg_inf)
-        sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, neg_inf)
-
         ps = [params[i].top_p for i in sort_rows]
+        k_t = torch.tensor(ks, dtype=torch.long, device=device).unsqueeze(1)  # [M, 1]
+        p_t = torch.tensor(ps, dtype=torch.float32, device=device).unsqueeze(1)  # [M, 1]
+        # Only the largest values matter (ties need no order), and only a prefix of them:
+        # up to the k-th for top-k, up to where the mass reaches p for top-p. A full sort
+        # of the vocabulary is rarely needed: start from a window of the largest values
+        # and widen it only for rows whose prefix does not end inside it.
+        finite_k = [k for k in ks if k < vocab]
+        if max(ks) < vocab:
+            width = max(ks)  # every row has a top-k: its k largest values suffice
+        else:
+            width = max(_TOP_P_WINDOW, *finite_k) if finite_k else _TOP_P_WINDOW
+        xs, sorted_vals = _top_k_mask(xs, k_t, min(width, vocab))
         if any(p < 1.0 for p in ps):
-            p_t = torch.tensor(ps, dtype=torch.float32, device=device).unsqueeze(1)  # [M, 1]
-            probs = torch.softmax(sorted_vals, dim=-1)  # [M, K], descending
-            mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sums
+            # probabilities over the whole (top-k masked) row, whatever the window
+            lse = torch.logsumexp(xs, dim=-1, keepdim=True)  # [M, 1]
+            while True:
+                probs = torch.exp(sorted_vals - lse)  # [M, W], descending
+                cum = torch.cumsum(probs, dim=-1)  # prefix sums do not depend on W
+                done = (cum[:, -1:] >= p_t) | (p_t >= 1.0)
+                if sorted_vals.shape[1] >= vocab or bool(done.all()):
+                    break
+                width = min(vocab, 8 * sorted_vals.shape[1])
+                xs, sorted_vals = _top_k_mask(xs, k_t, width)
+            mass_before = cum - probs  # exclusive prefix sums
             n_keep = (mass_before < p_t).sum(dim=-1, keepdim=True).clamp_min(1)  # [M, 1]
             thresh = sorted_vals.gather(1, n_keep - 1)  # [M, 1], last kept logit
             # rows without top-p must not lose a float-rounding tail
@@ -312,6 +320,32 @@ def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         thresh = x.max(dim=-1, keepdim=True).values + log_min_p.unsqueeze(1)  # [N, 1]
         x = x.masked_fill(x < thresh, neg_inf)
     return x
+
+
+# how many of the largest logits top-p looks at first (widened x8 while too few)
+_TOP_P_WINDOW = 256
+
+
+def _top_k_mask(
+    xs: torch.Tensor, k_t: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k masking plus the `width` largest values of each row, descending.
+
+    xs: [M, V]; k_t: [M, 1] (V = no top-k; every finite k <= width). Returns xs with the
+    tokens below each row's k-th largest logit at -inf, and its top `width` values [M, W]
+    (masked the same way).
+    """
+    vocab = xs.shape[1]
+    if width < vocab:
+        sorted_vals = xs.topk(width, dim=-1, sorted=True).values  # [M, W]
+    else:
+        sorted_vals = xs.sort(dim=-1, descending=True).values  # [M, V]
+    # the k-th largest logit; rows without top-k keep everything
+    kth = sorted_vals.gather(1, (k_t.clamp_max(width) - 1))  # [M, 1]
+    kth = kth.masked_fill(k_t >= vocab, float("-inf"))
+    return xs.masked_fill(xs < kth, float("-inf")), sorted_vals.masked_fill(
+        sorted_vals < kth, float("-inf")
+    )
 
 
 def draw_seed(seed: int, output_index: int) -> int:

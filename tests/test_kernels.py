@@ -97,6 +97,82 @@ def test_torch_paged_attention_matches_reference(
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group_bytes", [1, 3000, 10**9])
+def test_decodes_in_groups_match_reference(group_bytes: int) -> None:
+    # group_bytes=1: one decode per group; 3000: a few per group (last one partial)
+    seqs = [(1, 9), (1, 30), (1, 17), (1, 5), (1, 30), (1, 1), (1, 12), (9, 20)]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, 16, 4, seed=3)
+    attn = TorchPagedAttention(decode_group_bytes=group_bytes)
+    out = attn.forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    ref = reference_attention(q, k_full, v_full, meta.q_lens, meta.k_lens, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="decode_group_bytes"):
+        TorchPagedAttention(decode_group_bytes=0)
+
+
+def test_per_step_index_reused_by_later_layers() -> None:
+    # two layers share one metadata: the second reuses the index tensors and masks the
+    # first derived (and the shared scratch buffers) yet reads its own caches
+    seqs = [(1, 9), (1, 30), (6, 6), (5, 21)]
+    q, k, v, kc1, vc1, meta, kf, vf = _scenario(seqs, 6, 2, 16, 4, seed=5)
+    kc2, vc2 = kc1 * 2, -vc1  # layer 2's caches: other values, same blocks
+    attn = TorchPagedAttention()
+    out1 = attn.forward(q, k, v, kc1, vc1, meta, 0.25)
+    assert meta.derived, "the first layer leaves its index tensors for the others"
+    out2 = attn.forward(q, k * 2, -v, kc2, vc2, meta, 0.25)
+    ref1 = reference_attention(q, kf, vf, meta.q_lens, meta.k_lens, 0.25)
+    ref2 = reference_attention(
+        q, [t * 2 for t in kf], [-t for t in vf], meta.q_lens, meta.k_lens, 0.25
+    )
+    torch.testing.assert_close(out1, ref1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out2, ref2, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_paged_attention_close_to_reference() -> None:
+    seqs = [(1, 9), (1, 30), (1, 2), (7, 7), (5, 20)]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, 16, 4, seed=9)
+    bf = torch.bfloat16
+    out = TorchPagedAttention().forward(
+        q.to(bf), k.to(bf), v.to(bf), k_cache.to(bf), v_cache.to(bf), meta, 0.25
+    )
+    assert out.dtype == bf
+    kf = [t.to(bf) for t in k_full]
+    vf = [t.to(bf) for t in v_full]
+    ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.02)
+
+
+def test_metadata_build_matches_per_token_definition() -> None:
+    g = torch.Generator().manual_seed(11)
+    block_size = 4
+    seqs = [(1, 1), (1, 9), (1, 16), (7, 7), (3, 10), (1, 6), (16, 33)]
+    tables = []
+    for _, k_len in seqs:
+        n = (k_len + block_size - 1) // block_size + int(torch.randint(0, 2, (1,), generator=g))
+        tables.append(torch.randperm(100, generator=g)[:n].tolist())
+    q_lens = [q for q, _ in seqs]
+    k_lens = [k for _, k in seqs]
+    meta = AttentionMetadata.build(q_lens, k_lens, tables, block_size)
+    slots, positions = [], []
+    for (q_len, k_len), table in zip(seqs, tables, strict=True):
+        for pos in range(k_len - q_len, k_len):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    assert meta.slot_mapping.tolist() == slots
+    assert meta.positions is not None and meta.positions.tolist() == positions
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 10, 13, 14, 30]
+    assert meta.seq_lens_k.dtype == torch.int32 and meta.seq_lens_k.tolist() == k_lens
+    width = max(len(t) for t in tables)
+    assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    assert meta.num_decodes == 3 and meta.max_seqlen_q == 16 and meta.max_seqlen_k == 33
+    empty = AttentionMetadata.build([], [], [], block_size)
+    assert empty.slot_mapping.numel() == 0 and empty.num_tokens == 0
+    with pytest.raises(ValueError, match="too short"):
+        AttentionMetadata.build([1], [9], [[0, 1]], block_size)
+    with pytest.raises(ValueError, match="k_len"):
+        AttentionMetadata.build([5], [3], [[0]], block_size)
+
+
 def test_reference_attention_is_causal_and_gqa() -> None:
     # hand-checkable case: one head, keys identical -> output = mean of visible values
     q = torch.zeros(3, 2, 1)

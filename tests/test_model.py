@@ -521,3 +521,38 @@ def test_bfloat16_model_close_to_float32(checkpoints: dict[str, Path]) -> None:
     bf16 = torch.cat(outs)
     assert bf16.dtype == torch.float32
     assert (bf16 - fp32).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("kind", ["gqa3", "qwen2", "untied"])
+def test_prepacked_bf16_weights_give_identical_results(
+    checkpoints: dict[str, Path], kind: str
+) -> None:
+    from sarazmq.kernels.ops import can_prepack_linear
+
+    source = resolve_model(str(checkpoints[kind]))
+    config = load_model_config(source)
+    model = load_model(source, config, "bfloat16", "cpu", TorchPagedAttention())
+    ids = PROMPT
+
+    def run() -> torch.Tensor:
+        caches = allocate_kv_cache(config, 8, BLOCK, torch.bfloat16, "cpu")
+        outs = []
+        for s in range(0, len(ids), 8):  # 17 tokens: two chunks, then one decode
+            part = ids[s : s + 8]
+            meta = AttentionMetadata.build([len(part)], [s + len(part)], [[3, 1, 7, 0, 5]], BLOCK)
+            hidden = model(torch.tensor(part), torch.arange(s, s + len(part)), caches, meta)
+            outs.append(model.compute_logits(hidden))
+        return torch.cat(outs)
+
+    plain = run()
+    packed = model.prepack_linear_weights()
+    assert packed == can_prepack_linear(torch.bfloat16, "cpu")
+    if not packed:
+        pytest.skip("oneDNN prepacking unavailable in this torch build")
+    torch.testing.assert_close(run(), plain, atol=0, rtol=0)
+    # float32 models are never packed (MKL gains nothing from it)
+    fp32 = load_model(source, config, "float32", "cpu", TorchPagedAttention())
+    assert not fp32.prepack_linear_weights()
+    # reloading weights drops the packs (they would be stale)
+    model.random_init_(seed=1)
+    assert model._packed == [] and model._packed_head is None

@@ -318,3 +318,42 @@ def test_logprobs_zero_returns_only_the_sampled_token() -> None:
     lp = lps[0]
     assert lp is not None and lp.top_token_ids == [] and lp.top_logprobs == []
     assert lp.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
+
+
+def _top_p_by_full_sort(row: torch.Tensor, p: float) -> set[int]:
+    """The definition, directly: smallest descending prefix whose mass reaches p, + ties."""
+    probs = torch.softmax(row.double(), dim=-1)
+    order = torch.argsort(probs, descending=True)
+    total, kept_ids = 0.0, []
+    for i in order.tolist():
+        if total >= p:
+            break
+        kept_ids.append(i)
+        total += float(probs[i])
+    last = probs[kept_ids[-1]]
+    return {i for i in range(row.numel()) if probs[i] >= last}
+
+
+@pytest.mark.parametrize("spread", [1.0, 4.0, 0.05])
+def test_top_p_window_matches_full_sort(monkeypatch: pytest.MonkeyPatch, spread: float) -> None:
+    # peaked rows end inside the first window of largest logits; nearly flat rows
+    # (spread 0.05) need it widened, up to the whole vocabulary
+    import sarazmq.sampler as sampler_mod
+
+    vocab = 5000
+    g = torch.Generator().manual_seed(int(spread * 100))
+    logits = torch.randn(4, vocab, generator=g) * spread
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.5, temperature=0.7),
+        SamplingParams(top_k=50, top_p=0.8),
+        SamplingParams(top_k=300),
+    ]
+    windowed = apply_filters(logits, params)
+    monkeypatch.setattr(sampler_mod, "_TOP_P_WINDOW", vocab)  # always a full sort
+    full = apply_filters(logits, params)
+    assert torch.equal(windowed, full)
+    assert kept(windowed[0]) == _top_p_by_full_sort(logits[0], 0.9)
+    assert kept(windowed[1]) == _top_p_by_full_sort(logits[1] / 0.7, 0.5)
+    assert len(kept(windowed[3])) == 300
+    assert kept(windowed[2]) <= set(torch.topk(logits[2], 50).indices.tolist())

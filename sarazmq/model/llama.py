@@ -27,7 +27,15 @@ from torch import nn
 
 from sarazmq.config import ModelConfig
 from sarazmq.kernels.metadata import AttentionMetadata
-from sarazmq.kernels.ops import apply_rope, build_rope_cache, rms_norm
+from sarazmq.kernels.ops import (
+    apply_rope_,
+    build_rope_cache,
+    can_prepack_linear,
+    linear,
+    prepack_linear,
+    rms_norm_,
+    rope_cos_sin,
+)
 
 
 class AttentionImpl(Protocol):
@@ -136,6 +144,10 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, tp_size, dtype, device) for _ in range(config.num_layers)
         )
         self.norm = _param(h, dtype=dtype, device=device)
+        # oneDNN-packed copies of the matmul weights (see prepack_linear_weights); plain
+        # attributes, not parameters or buffers, so state dicts and loaders ignore them
+        self._packed: list[dict[str, torch.Tensor | None]] = []
+        self._packed_head: torch.Tensor | None = None
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -186,29 +198,59 @@ class LlamaForCausalLM(nn.Module):
         if positions.device != self.cos_sin_cache.device:
             positions = positions.to(self.cos_sin_cache.device)
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        # rotation tables once per pass, shared by every layer
+        cos, sin = rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # [T, 1, D] each
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h, residual = rms_norm(x, layer.input_layernorm, eps, residual)
-            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hl + 2 Hkvl) * D]
-            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = q.view(t, layer.num_heads, d)
-            k = k.view(t, layer.num_kv_heads, d)
-            v = v.view(t, layer.num_kv_heads, d)
-            q, k = apply_rope(q, k, positions, self.cos_sin_cache)
+        packed = self._packed or [_NO_PACKED] * len(self.layers)
+        for layer, pk, (k_cache, v_cache) in zip(self.layers, packed, kv_caches, strict=True):
+            h, residual = rms_norm_(x, layer.input_layernorm, eps, residual)
+            qkv = linear(h, layer.qkv_proj, layer.qkv_bias, pk["qkv"])  # [T, (Hl + 2 Hkvl) * D]
+            qk_size = layer.q_size + layer.kv_size
+            # q and k heads are adjacent in the fused output: rotate them together, in place
+            qk = apply_rope_(qkv[:, :qk_size].view(t, -1, d), cos, sin)  # [T, Hl + Hkvl, D]
+            q = qk[:, : layer.num_heads]  # [T, Hl, D]
+            k = qk[:, layer.num_heads :]  # [T, Hkvl, D]
+            v = qkv[:, qk_size:].view(t, layer.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = self._all_reduce(F.linear(attn.reshape(t, layer.q_size), layer.o_proj))
-            h, residual = rms_norm(x, layer.post_attention_layernorm, eps, residual)
-            gate_up = F.linear(h, layer.gate_up_proj)  # [T, 2 Il]
-            gate, up = gate_up.split(layer.inter, dim=-1)
-            x = self._all_reduce(F.linear(F.silu(gate) * up, layer.down_proj))  # [T, hidden]
-        out, _ = rms_norm(x, self.norm, eps, residual)
+            o = linear(attn.reshape(t, layer.q_size), layer.o_proj, None, pk["o"])
+            x = self._all_reduce(o)  # [T, hidden]
+            h, residual = rms_norm_(x, layer.post_attention_layernorm, eps, residual)
+            gate_up = linear(h, layer.gate_up_proj, None, pk["gate_up"])  # [T, 2 Il]
+            act = F.silu(gate_up[:, : layer.inter]).mul_(gate_up[:, layer.inter :])  # [T, Il]
+            x = self._all_reduce(linear(act, layer.down_proj, None, pk["down"]))  # [T, hidden]
+        out, _ = rms_norm_(x, self.norm, eps, residual)
         return out
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab] (lm head replicated on every rank)."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self._packed_head).float()
+
+    def prepack_linear_weights(self) -> bool:
+        """Prepacks every matmul weight for oneDNN when that pays (bf16 on CPU, see
+        `sarazmq.kernels.ops.can_prepack_linear`); same results, faster matmuls.
+
+        Call after loading the weights (a later load would leave stale packs: loading
+        drops them). Returns whether weights were packed.
+        """
+        self._packed = []
+        self._packed_head = None
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        if not can_prepack_linear(weight.dtype, weight.device):
+            return False
+        with torch.no_grad():
+            for layer in self.layers:
+                self._packed.append(
+                    {
+                        "qkv": prepack_linear(layer.qkv_proj),
+                        "o": prepack_linear(layer.o_proj),
+                        "gate_up": prepack_linear(layer.gate_up_proj),
+                        "down": prepack_linear(layer.down_proj),
+                    }
+                )
+            self._packed_head = prepack_linear(weight)
+        return True
 
     # ------------------------------------------------------------------ weights
 
@@ -217,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         model but no checkpoint. Draws rank-local shards, so TP ranks are not consistent
         with one unsharded model; use `load_hf_weights` for that."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
+        self._packed, self._packed_head = [], None  # packs of the old weights are stale
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "layernorm" in name or name == "norm":
@@ -236,6 +279,7 @@ class LlamaForCausalLM(nn.Module):
         """
         cfg = self.config
         loaded: set[str] = set()
+        self._packed, self._packed_head = [], None  # packs of the old weights are stale
         with torch.no_grad():
             for name, tensor in weights:
                 self._load_one(name, tensor, loaded)
@@ -337,6 +381,9 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{i}.down_proj")
             return
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
+
+
+_NO_PACKED: dict[str, torch.Tensor | None] = {"qkv": None, "o": None, "gate_up": None, "down": None}
 
 
 def _cols(tensor: torch.Tensor, rank: int, size: int, name: str) -> torch.Tensor:
