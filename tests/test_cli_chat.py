@@ -9,6 +9,7 @@ import sys
 import pexpect
 import psutil
 import pytest
+from proc_utils import alive as _alive
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -27,17 +28,6 @@ def _deployment_of(pid: int) -> tuple[list[int], set[str]]:
         except psutil.NoSuchProcess:
             continue
     return procs, rundirs
-
-
-def _alive(pids: list[int]) -> list[int]:
-    living = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                living.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return living
 
 
 def test_chat_two_turns_in_a_pty() -> None:

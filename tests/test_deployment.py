@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from proc_utils import alive as _alive
 
 from sarazmq.client import AsyncClient, Client, EngineError, RequestError
 from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -212,19 +213,6 @@ def _children(pid: int) -> dict[int, str]:
         if "sarazmq.procs." in cmd:
             out[p.pid] = cmd
     return out
-
-
-def _alive(pids: list[int]) -> list[int]:
-    import psutil
-
-    living = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                living.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return living
 
 
 def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from proc_utils import alive
 
 from sarazmq.client import Client, EngineError
 from sarazmq.sampling_params import SamplingParams
@@ -42,17 +43,6 @@ def children(pid: int) -> dict[int, str]:
         if "sarazmq.procs." in cmd:
             out[p.pid] = cmd.split("sarazmq.procs.", 1)[1].split()[0]
     return out
-
-
-def alive(pids: list[int]) -> list[int]:
-    living = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                living.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return living
 
 
 def wait_healthy(endpoint: str, timeout: float) -> float:
