@@ -65,7 +65,9 @@ def e2e(num_requests: int, max_tokens: int) -> tuple[float, float]:
         results: list[int] = []
         t0 = time.perf_counter()
         threads = [
-            threading.Thread(target=lambda p=p: results.append(len(c.generate(p, params).token_ids)))
+            threading.Thread(
+                target=lambda p=p: results.append(len(c.generate(p, params).token_ids))
+            )
             for p in prompts
         ]
         for t in threads:
@@ -96,7 +98,9 @@ def stub_worker(ctx: zmq.Context, plan_ep: str, result_ep: str, stop: threading.
 
 def scheduler_overhead(num_running: int, iters: int = 300) -> dict[str, float]:
     sched = Scheduler(
-        SchedulerConfig(policy="sarathi", chunk_size=512, max_num_seqs=num_running, max_model_len=4096),
+        SchedulerConfig(
+            policy="sarathi", chunk_size=512, max_num_seqs=num_running, max_model_len=4096
+        ),
         block_size=16,
         num_blocks=num_running * 40,
         max_model_len=4096,
@@ -120,7 +124,12 @@ def scheduler_overhead(num_running: int, iters: int = 300) -> dict[str, float]:
     enc = msgspec.msgpack.Encoder()
     dec = msgspec.msgpack.Decoder(StepResult)
     delta_enc = msgspec.msgpack.Encoder()
-    phases: dict[str, list[float]] = {"plan": [], "encode+send+recv": [], "process+route": [], "total": []}
+    phases: dict[str, list[float]] = {
+        "plan": [],
+        "encode+send+recv": [],
+        "process+route": [],
+        "total": [],
+    }
     for it in range(iters + 20):
         t0 = time.perf_counter()
         plan = service.next_plan()
@@ -150,18 +159,24 @@ def scheduler_overhead(num_running: int, iters: int = 300) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--skip-e2e", action="store_true")
     args = ap.parse_args()
 
     print("scheduler overhead per iteration (median ms; decode-only iterations)")
-    print(f"{'running':>8} {'plan':>8} {'enc+send+recv':>14} {'process+route':>14} {'total':>8} {'goal':>6}")
+    print(
+        f"{'running':>8} {'plan':>8} {'enc+send+recv':>14} {'process+route':>14} {'total':>8} {'goal':>6}"
+    )
     for n in (64, 256):
         r = scheduler_overhead(n)
-        print(f"{n:>8} {r['plan']:>8.3f} {r['encode+send+recv']:>14.3f} {r['process+route']:>14.3f} "
-              f"{r['total']:>8.3f} {'<1 ms':>6}")
+        print(
+            f"{n:>8} {r['plan']:>8.3f} {r['encode+send+recv']:>14.3f} {r['process+route']:>14.3f} "
+            f"{r['total']:>8.3f} {'<1 ms':>6}"
+        )
     if args.skip_e2e:
         return
     inproc, deployed = e2e(args.requests, args.max_tokens)
