@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_attention import CpuPagedAttention, cpu_attention_available
 from .flash_attn_backend import (
     FLASH_ATTN_BLOCK_MULTIPLE,
     FlashAttnPagedAttention,
@@ -11,10 +12,11 @@ from .flash_attn_backend import (
 )
 from .torch_attention import TorchPagedAttention
 
-AttentionBackend = TorchPagedAttention | FlashAttnPagedAttention
+AttentionBackend = TorchPagedAttention | CpuPagedAttention | FlashAttnPagedAttention
 
 __all__ = [
     "AttentionBackend",
+    "CpuPagedAttention",
     "FlashAttnPagedAttention",
     "TorchPagedAttention",
     "select_attention_backend",
@@ -30,13 +32,24 @@ def select_attention_backend(
     """Returns an attention backend instance.
 
     name: "auto" -> flash_attn when the device is CUDA, flash-attn imports, block_size is a
-    multiple of 256 and dtype (if given) is fp16/bf16; otherwise torch.
-    "torch" -> TorchPagedAttention. "flash_attn" -> FlashAttnPagedAttention, raising
+    multiple of 256 and dtype (if given) is fp16/bf16; cpu on a CPU where the native
+    decode kernel builds; otherwise torch.
+    "torch" -> TorchPagedAttention. "cpu" -> CpuPagedAttention (ValueError off CPU or
+    when the kernel cannot be built). "flash_attn" -> FlashAttnPagedAttention, raising
     ValueError (not CUDA, bad block size) or ImportError (package missing) when unusable.
     """
     device = torch.device(device)
     if name == "torch":
         return TorchPagedAttention()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"cpu attention backend needs a CPU device, got {device}")
+        if not cpu_attention_available():
+            raise ValueError(
+                "cpu attention backend: the native kernel could not be built (no working C "
+                "compiler, or SARAZMQ_NATIVE=0); use --attention-backend torch"
+            )
+        return CpuPagedAttention()
     if name == "flash_attn":
         if device.type != "cuda":
             raise ValueError(f"flash_attn attention backend needs a CUDA device, got {device}")
@@ -49,7 +62,9 @@ def select_attention_backend(
             and flash_attn_available()
         ):
             return FlashAttnPagedAttention(block_size)
+        if device.type == "cpu" and cpu_attention_available():
+            return CpuPagedAttention()
         return TorchPagedAttention()
     raise ValueError(
-        f"unknown attention backend {name!r}; choose one of ('auto', 'torch', 'flash_attn')"
+        f"unknown attention backend {name!r}; choose one of ('auto', 'torch', 'cpu', 'flash_attn')"
     )

@@ -103,6 +103,16 @@ class TorchPagedAttention:
         torch.index_select(cache.flatten(1), 0, blocks, out=out)
         return out.view(n, *cache.shape[1:])  # [n, block_size, Hkv, D]
 
+    def _write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -118,7 +128,7 @@ class TorchPagedAttention:
         q: [T, H, D]; k, v: [T, Hkv, D] (new tokens, packed like q);
         k_cache, v_cache: [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
         """
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if 0 < nd == meta.num_seqs == q.shape[0]:
             return self._decodes(q, k_cache, v_cache, meta, scale)

@@ -11,7 +11,13 @@ from typing import Any
 
 import click
 
-from sarazmq.config import POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.config import (
+    ATTENTION_BACKENDS,
+    POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from sarazmq.sampling_params import SamplingParams
 
 
@@ -58,7 +64,7 @@ def engine_options(f: Any) -> Any:
         ),
         click.option(
             "--attention-backend",
-            type=click.Choice(["auto", "torch", "flash_attn"]),
+            type=click.Choice(list(ATTENTION_BACKENDS)),
             default="auto",
             show_default=True,
         ),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 POLICIES = ("sarathi", "vllm", "orca", "fastertransformer", "simple_chunking")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.seqs: dict[int, SeqState] = {}
+        # float32 logits destination reused across steps (see LlamaForCausalLM.compute_logits)
+        self._logits_buf: torch.Tensor | None = None
 
     def execute(self, plan: BatchPlan) -> StepResult:
         """Applies the plan's diff to the sequence states, runs the batch, samples."""
@@ -118,7 +120,9 @@ class ModelRunner:
             if self.sampler is None or not sample_rows:
                 return StepResult(step=plan.step, forward_s=time.perf_counter() - t0)
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, vocab]
+            logits = self.model.compute_logits(
+                hidden.index_select(0, rows), self._logits_out(len(sample_rows))
+            )  # [N, vocab]
             seqs = [self._sampling_seq(self.seqs[s]) for s in sample_seq_ids]
             token_ids, logprobs = self.sampler.sample(logits, seqs)
         return StepResult(
@@ -128,6 +132,15 @@ class ModelRunner:
             logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
             forward_s=time.perf_counter() - t0,
         )
+
+    def _logits_out(self, rows: int) -> torch.Tensor:
+        """A float32 [rows, vocab] view of the reused logits buffer (grown as needed)."""
+        vocab = self.model.config.vocab_size
+        buf = self._logits_buf
+        if buf is None or buf.numel() < rows * vocab:
+            buf = torch.empty(rows * vocab, dtype=torch.float32, device=self.device)
+            self._logits_buf = buf
+        return buf[: rows * vocab].view(rows, vocab)
 
     @staticmethod
     def _sampling_seq(state: SeqState) -> SamplingSeq:

@@ -262,13 +262,41 @@ class RunnerBench:
         return out[0], out[1], out[2]
 
 
-def e2e_requests(num: int, quick: bool) -> tuple[list[list[int]], int]:
-    """Deterministic prompts of mixed lengths (token ids) and the output length."""
+DEFAULT_E2E_TRACE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "..",
+    "..",
+    "shared",
+    "traces",
+    "azure_llm_2023_conv.csv",
+)
+E2E_MAX_PROMPT = 512  # prompt lengths from the trace are clipped to this (CPU time budget)
+
+
+def e2e_requests(num: int, quick: bool, trace: str | None) -> tuple[list[list[int]], int, str]:
+    """Deterministic prompts (token ids), the output length, and where the lengths came from.
+
+    With a trace (the Azure conversation trace by default), prompt lengths are its first
+    `num` requests' context lengths, clipped to [16, E2E_MAX_PROMPT]; otherwise uniform in
+    64..512. Every request generates the same number of tokens (32, 16 with --quick):
+    transformers' `generate_batch` takes one max_new_tokens for the whole batch, so a
+    per-request output length would make it do more work than us.
+    """
     gen = torch.Generator().manual_seed(0)
     lo, hi = (32, 256) if quick else (64, 512)
-    lengths = torch.randint(lo, hi + 1, (num,), generator=gen).tolist()
+    if trace:
+        from sarazmq.replay.traces import load_trace
+
+        rows = load_trace(trace)[:num]
+        lengths = [min(max(r.input_tokens, 16), E2E_MAX_PROMPT) for r in rows]
+        source = (
+            f"{os.path.basename(trace)} rows 0-{len(rows) - 1}, prompts clipped to {E2E_MAX_PROMPT}"
+        )
+    else:
+        lengths = torch.randint(lo, hi + 1, (num,), generator=gen).tolist()
+        source = f"synthetic prompts of {lo}-{hi} tokens"
     prompts = [torch.randint(100, 30000, (n,), generator=gen).tolist() for n in lengths]
-    return prompts, 16 if quick else 32
+    return prompts, 16 if quick else 32, source
 
 
 # ---------------------------------------------------------------------------- transformers
@@ -438,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows")
     ap.add_argument("--e2e-requests", type=int, default=0, help="0: 16 (8 with --quick)")
+    ap.add_argument(
+        "--e2e-trace",
+        default=DEFAULT_E2E_TRACE if os.path.exists(DEFAULT_E2E_TRACE) else "",
+        help="trace whose prompt lengths the end-to-end rows use ('' = synthetic)",
+    )
     args = ap.parse_args(argv)
     if args.runs < 1:
         raise ValueError(f"--runs={args.runs} must be >= 1")
@@ -465,7 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         + 2 * -(-HYBRID_CHUNK // 16)
         + 64
     )
-    prompts, max_new = e2e_requests(args.e2e_requests or (8 if args.quick else 16), args.quick)
+    prompts, max_new, e2e_source = e2e_requests(
+        args.e2e_requests or (8 if args.quick else 16), args.quick, args.e2e_trace or None
+    )
+    print(f"end-to-end requests: {len(prompts)} x {max_new} output tokens, {e2e_source}")
     num_blocks = max(num_blocks, sum(-(-(len(p) + max_new) // 16) for p in prompts) + 64)
     llm = LLM(
         dtype=args.dtype,

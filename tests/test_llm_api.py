@@ -35,8 +35,13 @@ def test_per_request_errors_leave_others_untouched(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=8)
     alone = llm.generate(PROMPTS[:2], greedy)
     outs = llm.generate([PROMPTS[0], "", list(range(5, 600)), [1, 2, 10**9], PROMPTS[1]], greedy)
-    assert [o.finish_reason for o in outs] == [alone[0].finish_reason, "error", "error", "error",
-                                               alone[1].finish_reason]
+    assert [o.finish_reason for o in outs] == [
+        alone[0].finish_reason,
+        "error",
+        "error",
+        "error",
+        alone[1].finish_reason,
+    ]
     assert "empty" in outs[1].error
     assert "context" in outs[2].error
     assert "token ids" in outs[3].error
@@ -45,8 +50,16 @@ def test_per_request_errors_leave_others_untouched(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -1.0), ("top_p", 0.0), ("top_k", 0), ("min_p", 1.5), ("max_tokens", 0),
-     ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("logprobs", 99)],
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", 0),
+        ("min_p", 1.5),
+        ("max_tokens", 0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("logprobs", 99),
+    ],
 )
 def test_out_of_range_sampling_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -58,16 +71,24 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> 
     alone = llm.generate([PROMPTS[1]], p)[0].token_ids
     mixed = llm.generate(
         [PROMPTS[3], PROMPTS[1], PROMPTS[0]],
-        [SamplingParams(temperature=1.0, max_tokens=20), p, SamplingParams(temperature=0, max_tokens=5)],
+        [
+            SamplingParams(temperature=1.0, max_tokens=20),
+            p,
+            SamplingParams(temperature=0, max_tokens=5),
+        ],
     )[1].token_ids
     assert alone == mixed
-    other_seed = llm.generate([PROMPTS[1]], SamplingParams(
-        temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True))[0].token_ids
+    other_seed = llm.generate(
+        [PROMPTS[1]],
+        SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True),
+    )[0].token_ids
     assert other_seed != alone
 
 
 def test_stop_strings_and_stop_ids_finish_with_stop(llm: LLM) -> None:
-    base = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    base = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )[0]
     stop = base.text[5:9]
     # ignore_eos in every run: on a raw (non-chat) prompt this model emits EOS first
     out = llm.generate(
@@ -77,8 +98,10 @@ def test_stop_strings_and_stop_ids_finish_with_stop(llm: LLM) -> None:
     assert out.text == base.text[: base.text.index(stop)]
     assert stop not in out.text
     stop_id = base.token_ids[3]
-    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                   stop_token_ids=[stop_id]))[0]
+    out = llm.generate(
+        [PROMPTS[1]],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]),
+    )[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
     # the engine is idle and every block is back

@@ -26,14 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from sarazmq.config import ModelConfig
+from sarazmq.kernels.cpu_ops import TORCH_OPS, HotOps
+from sarazmq.kernels.memory import zeros_huge_pages
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.ops import (
-    apply_rope_,
     build_rope_cache,
     can_prepack_linear,
     linear,
     prepack_linear,
-    rms_norm_,
     rope_cos_sin,
 )
 
@@ -202,30 +202,40 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # [T, 1, D] each
         residual: torch.Tensor | None = None
         packed = self._packed or [_NO_PACKED] * len(self.layers)
+        # elementwise ops: the attention backend's fused kernels when it has them
+        ops: HotOps = getattr(self.attention, "ops", TORCH_OPS)
         for layer, pk, (k_cache, v_cache) in zip(self.layers, packed, kv_caches, strict=True):
-            h, residual = rms_norm_(x, layer.input_layernorm, eps, residual)
+            h, residual = ops.rms_norm_(x, layer.input_layernorm, eps, residual)
             qkv = linear(h, layer.qkv_proj, layer.qkv_bias, pk["qkv"])  # [T, (Hl + 2 Hkvl) * D]
             qk_size = layer.q_size + layer.kv_size
             # q and k heads are adjacent in the fused output: rotate them together, in place
-            qk = apply_rope_(qkv[:, :qk_size].view(t, -1, d), cos, sin)  # [T, Hl + Hkvl, D]
+            qk = ops.apply_rope_(qkv[:, :qk_size].view(t, -1, d), cos, sin)  # [T, Hl + Hkvl, D]
             q = qk[:, : layer.num_heads]  # [T, Hl, D]
             k = qk[:, layer.num_heads :]  # [T, Hkvl, D]
             v = qkv[:, qk_size:].view(t, layer.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
             o = linear(attn.reshape(t, layer.q_size), layer.o_proj, None, pk["o"])
             x = self._all_reduce(o)  # [T, hidden]
-            h, residual = rms_norm_(x, layer.post_attention_layernorm, eps, residual)
+            h, residual = ops.rms_norm_(x, layer.post_attention_layernorm, eps, residual)
             gate_up = linear(h, layer.gate_up_proj, None, pk["gate_up"])  # [T, 2 Il]
-            act = F.silu(gate_up[:, : layer.inter]).mul_(gate_up[:, layer.inter :])  # [T, Il]
+            act = ops.silu_mul(gate_up, layer.inter)  # [T, Il]
             x = self._all_reduce(linear(act, layer.down_proj, None, pk["down"]))  # [T, hidden]
-        out, _ = rms_norm_(x, self.norm, eps, residual)
+        out, _ = ops.rms_norm_(x, self.norm, eps, residual)
         return out
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab] (lm head replicated on every rank)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab] (lm head replicated on every rank).
+
+        out: optional float32 [N, vocab] destination. For a non-float32 model, passing a
+        buffer the caller reuses saves a fresh many-MB tensor per step, whose new pages
+        cost more than the copy (measured: 5.9 ms for 64 rows against 0.4 ms).
+        """
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, weight, None, self._packed_head).float()
+        logits = linear(hidden, weight, None, self._packed_head)  # [N, vocab]
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     def prepack_linear_weights(self) -> bool:
         """Prepacks every matmul weight for oneDNN when that pays (bf16 on CPU, see
@@ -420,15 +430,16 @@ def allocate_kv_cache(
     device: torch.device | str,
     tp_size: int = 1,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv_local, D], zeroed."""
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv_local, D], zeroed.
+
+    All of them are views of one buffer, which on CPU is backed by huge pages where the
+    OS allows (see `sarazmq.kernels.memory`): decode touches the cache at scattered slots.
+    """
     _check_tp(config, tp_size)
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
     shape = (num_blocks, block_size, config.num_kv_heads // tp_size, config.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(config.num_layers)
-    ]
+    per_cache = num_blocks * block_size * shape[2] * shape[3]
+    flat = zeros_huge_pages(2 * config.num_layers * per_cache, dtype, device)
+    caches = flat.view(config.num_layers, 2, *shape)  # [L, 2, blocks, block_size, Hkv, D]
+    return [(caches[i, 0], caches[i, 1]) for i in range(config.num_layers)]

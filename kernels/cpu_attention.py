@@ -1,0 +1,218 @@
+"""Paged attention for CPUs with a native decode kernel (kernels/csrc/cpu_attention.c).
+
+Decodes read their K/V straight from the paged cache once, with an online softmax, in a
+small OpenMP C kernel: no gathered copy of the KV (the torch backend's `index_select`)
+and no per-group SDPA calls. Memory traffic, not math, bounds decode attention, so
+reading the cache once is most of the win. Prefill chunks are compute-bound and keep the
+torch backend's SDPA path. Falls back to the torch path entirely when the kernel cannot
+be built (no C compiler) or a shape is beyond its limits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
+from .metadata import AttentionMetadata
+from .native import load_library
+from .torch_attention import _DECODE_GROUP_BYTES, TorchPagedAttention
+
+_LIB_NAME = "cpu_attention"
+_c_long, _c_int, _c_float, _c_void_p = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_ARGTYPES = [
+    _c_void_p,  # q
+    _c_long,  # q token stride (elements)
+    _c_void_p,  # k_cache
+    _c_void_p,  # v_cache
+    _c_void_p,  # block tables (int32)
+    _c_long,  # block table row stride
+    _c_void_p,  # seq lens (int32)
+    _c_void_p,  # out
+    _c_int,  # nd
+    _c_int,  # H
+    _c_int,  # Hkv
+    _c_int,  # D
+    _c_int,  # block_size
+    _c_float,  # scale
+]
+
+
+_WRITE_ARGTYPES = [
+    _c_void_p,  # k
+    _c_long,  # k token stride (elements)
+    _c_void_p,  # v
+    _c_long,  # v token stride
+    _c_void_p,  # k_cache
+    _c_void_p,  # v_cache
+    _c_void_p,  # slots (int64)
+    _c_long,  # num tokens
+    _c_long,  # elements per row (Hkv * D)
+    _c_long,  # element size in bytes
+]
+
+
+class _Kernels:
+    """The C entry points of cpu_attention.c with their signatures, resolved once."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.decode: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        for dtype, sym in (
+            (torch.float32, "paged_decode_attention_f32"),
+            (torch.bfloat16, "paged_decode_attention_bf16"),
+        ):
+            fn = getattr(lib, sym)
+            fn.argtypes = _ARGTYPES
+            fn.restype = _c_int
+            self.decode[dtype] = fn
+        self.write_kv = lib.write_kv_cache
+        self.write_kv.argtypes = _WRITE_ARGTYPES
+        self.write_kv.restype = None
+
+
+_kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on first use
+
+
+def _get_kernels() -> _Kernels | None:
+    if not _kernels:
+        lib = load_library(_LIB_NAME)
+        _kernels.append(None if lib is None else _Kernels(lib))
+    return _kernels[0]
+
+
+def write_kv_cache_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """`torch_attention.write_kv_cache` in C; False (nothing written) when it does not apply.
+
+    k, v: [T, Hkv, D] with heads and D contiguous (any token stride); caches contiguous
+    [num_blocks, block_size, Hkv, D] of k's dtype; slot_mapping: [T] int64.
+    """
+    kernels = _get_kernels()
+    t, hkv, d = k.shape
+    if (
+        kernels is None
+        or k.device.type != "cpu"
+        or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype)
+        or slot_mapping.dtype != torch.int64
+        or not slot_mapping.is_contiguous()
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k.stride()[1:] != (d, 1)
+        or v.stride()[1:] != (d, 1)
+    ):
+        return False
+    kernels.write_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        t,
+        hkv * d,
+        k.element_size(),
+    )
+    return True
+
+
+def cpu_attention_available() -> bool:
+    """Whether the native kernels built (and SARAZMQ_NATIVE is not 0)."""
+    return _get_kernels() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Decode attention straight from the paged cache; None when the kernel does not apply.
+
+    q: [nd, H, D] (token stride free, heads contiguous); k_cache, v_cache:
+    [num_blocks, block_size, Hkv, D] contiguous; block_tables: [>= nd, max_blocks] int32;
+    seq_lens: [>= nd] int32, keys per sequence (>= 1, this step's token already written).
+    Returns [nd, H, D] in q's dtype.
+    """
+    kernels = _get_kernels()
+    if kernels is None or q.device.type != "cpu":
+        return None
+    fn = kernels.decode.get(q.dtype)
+    nd, h, d = q.shape
+    if fn is None or k_cache.dtype != q.dtype or nd == 0:
+        return None
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+    tables, lens = tables.contiguous(), lens.contiguous()
+    out = torch.empty((nd, h, d), dtype=q.dtype)
+    rc = fn(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        out.data_ptr(),
+        nd,
+        h,
+        k_cache.shape[2],
+        d,
+        k_cache.shape[1],
+        scale,
+    )
+    return out if rc == 0 else None
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """The torch backend with decodes (and the KV cache writes) through the native kernels
+    (see module docstring)."""
+
+    name = "cpu"
+
+    def __init__(self, decode_group_bytes: int = _DECODE_GROUP_BYTES) -> None:
+        super().__init__(decode_group_bytes)
+        # the model takes its fused elementwise ops from here (see LlamaForCausalLM.forward)
+        self.ops: HotOps
+        try:
+            self.ops = NativeCpuOps()
+        except ValueError:
+            self.ops = TORCH_OPS
+
+    def _write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if not write_kv_cache_native(k, v, k_cache, v_cache, slot_mapping):
+            super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        nd = q.shape[0]
+        out = paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_k[:nd], scale
+        )
+        if out is None:
+            return super()._decodes(q, k_cache, v_cache, meta, scale)
+        return out

@@ -1,0 +1,149 @@
+"""Fused RMSNorm(+residual), SiLU-and-multiply and RoPE through kernels/csrc/cpu_ops.c.
+
+`HotOps` is the interface the model calls for its elementwise work; `TORCH_OPS` is the
+plain-PyTorch implementation (sarazmq.kernels.ops, the reference), `NativeCpuOps` the C
+one, each op falling back to the reference where the kernel does not apply (device,
+dtype, strides). Same numerics as the reference up to float32 summation order in the
+RMSNorm reduction and a last-ulp difference in exp for SiLU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from .native import load_library
+from .ops import apply_rope_, rms_norm_
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_P, _L, _P, _L, _P, _P, _L, _L, _I, _F],
+    "silu_mul": [_P, _L, _P, _L, _I],
+    "rope": [_P, _L, _P, _P, _L, _I, _I],
+}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_ROPE_MAX_D = 512
+
+
+class HotOps:
+    """The model's elementwise ops, plain PyTorch (the reference for `NativeCpuOps`)."""
+
+    name = "torch"
+
+    def rms_norm_(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See `sarazmq.kernels.ops.rms_norm_`: (normed, residual after adding x)."""
+        return rms_norm_(x, weight, eps, residual)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """gate_up [T, 2 * inter] (gate, then up) -> silu(gate) * up [T, inter]."""
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+    def apply_rope_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> torch.Tensor:
+        """See `sarazmq.kernels.ops.apply_rope_` (in place, returns x)."""
+        return apply_rope_(x, cos, sin_signed)
+
+
+TORCH_OPS = HotOps()
+
+
+def _native_functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | None:
+    lib = load_library("cpu_ops")
+    if lib is None:
+        return None
+    fns = {}
+    for op, argtypes in _SIGNATURES.items():
+        for dtype, suffix in _SUFFIX.items():
+            fn = getattr(lib, f"{op}_{suffix}")
+            fn.argtypes = argtypes
+            fn.restype = None
+            fns[(op, dtype)] = fn
+    return fns
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    # 2-d, CPU, unit stride along the row (any row stride)
+    return t.dim() == 2 and t.device.type == "cpu" and t.stride(1) == 1
+
+
+class NativeCpuOps(HotOps):
+    """`HotOps` in C (see module docstring); raises ValueError when the kernels cannot be
+    built, so callers decide on a fallback once, not per op."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        fns = _native_functions()
+        if fns is None:
+            raise ValueError("native CPU ops unavailable: kernels/csrc/cpu_ops.c did not build")
+        self._fns = fns
+
+    def rms_norm_(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fn = self._fns.get(("rms_norm", x.dtype))
+        if (
+            fn is None
+            or not _rows_ok(x)
+            or weight.dtype != x.dtype
+            or not weight.is_contiguous()
+            or (residual is not None and (not _rows_ok(residual) or residual.dtype != x.dtype))
+        ):
+            return super().rms_norm_(x, weight, eps, residual)
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        fn(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            rows,
+            hidden,
+            eps,
+        )
+        return out, (x if residual is None else residual)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        fn = self._fns.get(("silu_mul", gate_up.dtype))
+        if fn is None or not _rows_ok(gate_up) or gate_up.shape[1] != 2 * inter:
+            return super().silu_mul(gate_up, inter)
+        rows = gate_up.shape[0]
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter)
+        return out
+
+    def apply_rope_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> torch.Tensor:
+        fn = self._fns.get(("rope", x.dtype))
+        rows, heads, d = x.shape
+        if (
+            fn is None
+            or x.device.type != "cpu"
+            or x.stride(2) != 1
+            or x.stride(1) != d
+            or d > _ROPE_MAX_D
+            or cos.dtype != x.dtype
+            or sin_signed.dtype != x.dtype
+            or cos.shape != (rows, 1, d)
+            or not (cos.is_contiguous() and sin_signed.is_contiguous())
+        ):
+            return super().apply_rope_(x, cos, sin_signed)
+        fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), rows, heads, d)
+        return x

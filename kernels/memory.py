@@ -1,0 +1,53 @@
+"""Large CPU buffers backed by transparent huge pages (best effort).
+
+The paged KV cache is gigabytes, and decode touches it at scattered slots (one write per
+new token per layer, one block read per 16 tokens): with 4 KiB pages nearly every access
+is a TLB miss, and on a VM each miss walks two page tables. Measured on the project's VM:
+64 scattered KV writes take 156 us on a 4 KiB-page cache and 31 us on a fresh one.
+Asking the kernel for 2 MiB pages (madvise(MADV_HUGEPAGE), which Linux honours when
+/sys/kernel/mm/transparent_hugepage/enabled is "madvise" or "always") removes most of
+those misses. Elsewhere, or if madvise fails, this is a plain zeroed tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+import torch
+
+_HUGE_PAGE = 2 * 1024 * 1024
+_MADV_HUGEPAGE = 14
+
+
+def _madvise_hugepage(ptr: int, nbytes: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    start = (ptr + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    end = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+def zeros_huge_pages(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed 1-d tensor of `numel` elements; on a Linux CPU, backed by huge pages where
+    the kernel allows (the madvise comes before the first touch, which is the zeroing)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    # over-allocate by one huge page so the aligned middle covers nearly all of it
+    elem = torch.empty((), dtype=dtype).element_size()
+    pad = _HUGE_PAGE // elem
+    raw = torch.empty(numel + pad, dtype=dtype)
+    offset = (-raw.data_ptr() % _HUGE_PAGE) // elem
+    buf = raw[offset : offset + numel]
+    _madvise_hugepage(buf.data_ptr(), numel * elem)
+    return buf.zero_()

@@ -1,0 +1,230 @@
+"""Native CPU kernels (kernels/csrc, built with the system C compiler) against the torch
+reference: paged decode attention, KV cache writes, the backend built on them, and the
+fallback when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_attention_backend
+from sarazmq.kernels.cpu_attention import (
+    cpu_attention_available,
+    paged_decode_attention,
+    write_kv_cache_native,
+)
+from sarazmq.kernels.cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
+from sarazmq.kernels.memory import zeros_huge_pages
+from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache
+from tests.test_kernels import SCENARIOS, _scenario
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention_available(), reason="no C compiler: native kernels not built"
+)
+
+
+# head_dim 64 and 128 take the AVX-512 path where the CPU has it, 16 and 80 the portable one
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+def test_decode_kernel_matches_reference(
+    head_dim: int, heads: tuple[int, int], block_size: int
+) -> None:
+    # lengths around block and 16-key run edges, and a single key
+    seqs = [(1, n) for n in (1, 2, 15, 16, 17, 33, 70)]
+    num_heads, num_kv_heads = heads
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(
+        seqs, num_heads, num_kv_heads, head_dim, block_size, seed=head_dim + block_size
+    )
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, scale)
+    assert out is not None and out.shape == q.shape
+    ref = reference_attention(q, k_full, v_full, meta.q_lens, meta.k_lens, scale)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_decode_kernel_reads_strided_queries() -> None:
+    # q as the model passes it: the query heads of a fused qkv projection output
+    seqs = [(1, 9), (1, 30), (1, 17)]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, 64, 16, seed=1)
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    qkv = torch.cat([q.flatten(1), torch.randn(3, 2 * 2 * 64)], dim=1)  # [3, (6 + 4) * 64]
+    q_view = qkv[:, : 6 * 64].view(3, 6, 64)
+    assert not q_view.is_contiguous()
+    out = paged_decode_attention(
+        q_view, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, 0.125
+    )
+    ref = reference_attention(q, k_full, v_full, meta.q_lens, meta.k_lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decode_kernel_bf16_close_to_reference(head_dim: int) -> None:
+    seqs = [(1, 9), (1, 30), (1, 2), (1, 100)]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, head_dim, 16, seed=9)
+    bf = torch.bfloat16
+    kc, vc = k_cache.to(bf), v_cache.to(bf)
+    write_kv_cache(k.to(bf), v.to(bf), kc, vc, meta.slot_mapping)
+    out = paged_decode_attention(q.to(bf), kc, vc, meta.block_tables, meta.seq_lens_k, 0.25)
+    assert out is not None and out.dtype == bf
+    kf = [t.to(bf) for t in k_full]
+    vf = [t.to(bf) for t in v_full]
+    ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
+def test_decode_kernel_declines_what_it_cannot_do() -> None:
+    seqs = [(1, 9)]
+    q, k, v, k_cache, v_cache, meta, _, _ = _scenario(seqs, 4, 4, 16, 4, seed=2)
+    lens, tables = meta.seq_lens_k, meta.block_tables
+    # head size beyond the kernel's limit, mixed dtypes, float16: the caller falls back
+    big = torch.zeros(1, 4, 512)
+    assert paged_decode_attention(big, k_cache, v_cache, tables, lens, 1.0) is None
+    assert paged_decode_attention(q.double(), k_cache, v_cache, tables, lens, 1.0) is None
+    assert paged_decode_attention(q, k_cache.half(), v_cache.half(), tables, lens, 1.0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kv_write_equals_index_copy(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(10, 4, 2, 16, generator=g).to(dtype)
+    v_cache = torch.randn(10, 4, 2, 16, generator=g).to(dtype)
+    qkv = torch.randn(5, 6 * 16, generator=g).to(dtype)
+    k = qkv[:, 2 * 16 : 4 * 16].view(5, 2, 16)  # strided views, as the model passes them
+    v = qkv[:, 4 * 16 :].view(5, 2, 16)
+    slots = torch.tensor([3, 17, 0, 39, 22])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_cache(k, v, k_ref, v_ref, slots)
+    assert write_kv_cache_native(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # a dtype mismatch is declined, nothing written
+    assert not write_kv_cache_native(k.float(), v.float(), k_cache.half(), v_cache.half(), slots)
+
+
+@pytest.mark.parametrize("scenario", range(len(SCENARIOS)))
+def test_cpu_backend_matches_torch_backend_on_hybrid_batches(scenario: int) -> None:
+    seqs = SCENARIOS[scenario]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, 64, 4, seed=scenario)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    ref = TorchPagedAttention().forward(q, k, v, kc2, vc2, meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+    assert torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2)
+
+
+def test_auto_backend_on_cpu_is_native() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(select_attention_backend("auto", cpu, 16), CpuPagedAttention)
+    assert select_attention_backend("cpu", cpu, 16).name == "cpu"
+
+
+def test_without_native_kernels_auto_falls_back_to_torch(tmp_path) -> None:
+    # SARAZMQ_NATIVE=0 stands for a machine with no C compiler: nothing is built, "auto"
+    # picks the torch backend and asking for "cpu" explicitly names the problem
+    code = (
+        "import torch\n"
+        "from sarazmq.kernels import select_attention_backend\n"
+        "cpu = torch.device('cpu')\n"
+        "assert select_attention_backend('auto', cpu, 16).name == 'torch'\n"
+        "try:\n"
+        "    select_attention_backend('cpu', cpu, 16)\n"
+        "except ValueError as e:\n"
+        "    assert 'native kernel could not be built' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('cpu backend without kernels was accepted')\n"
+    )
+    env = dict(os.environ, SARAZMQ_NATIVE="0", SARAZMQ_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "native").exists()
+
+
+def test_huge_page_buffer_is_zeroed_and_writable() -> None:
+    buf = zeros_huge_pages(3 * 1024 * 1024 + 7, torch.bfloat16, "cpu")
+    assert buf.numel() == 3 * 1024 * 1024 + 7 and not buf.any()
+    buf[-1] = 1.0
+    assert buf.sum().item() == 1.0
+
+
+# ---------------------------------------------------------------------------- fused ops
+
+
+def _ops() -> tuple[HotOps, NativeCpuOps]:
+    return TORCH_OPS, NativeCpuOps()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    else:
+        # bf16: the same roundings as torch; a float32 summation-order or exp ulp can
+        # still flip a rare last bf16 bit
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+        assert (a != b).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_rms_norm_matches_torch(dtype: torch.dtype, rows: int, with_residual: bool) -> None:
+    ref_ops, native = _ops()
+    g = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 600, generator=g) * 3).to(dtype)
+    x = wide[:, :576]  # a strided row view, as a slice of a fused output would be
+    weight = torch.randn(576, generator=g).to(dtype)
+    res = torch.randn(rows, 576, generator=g).to(dtype) if with_residual else None
+    res_ref = None if res is None else res.clone()
+    out, new_res = native.rms_norm_(x, weight, 1e-5, res)
+    ref, new_res_ref = ref_ops.rms_norm_(x, weight, 1e-5, res_ref)
+    _close(out, ref, dtype)
+    assert torch.equal(new_res, new_res_ref)  # the residual add rounds identically
+    if with_residual:
+        assert new_res is res  # updated in place, like the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_native_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
+    ref_ops, native = _ops()
+    gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(
+        dtype
+    )
+    _close(native.silu_mul(gate_up, 1536), ref_ops.silu_mul(gate_up, 1536), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_rope_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
+    from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin
+
+    ref_ops, native = _ops()
+    g = torch.Generator().manual_seed(head_dim)
+    rows, q_heads, kv_heads = 7, 9, 3
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 1, 5, 100, 511, 2047, 3])
+    cos, sin = rope_cos_sin(positions, build_rope_cache(head_dim, 4096, 10000.0), dtype)
+    view = (q_heads + kv_heads) * head_dim
+    a = qkv.clone()
+    b = qkv.clone()
+    native.apply_rope_(a[:, :view].view(rows, -1, head_dim), cos, sin)
+    ref_ops.apply_rope_(b[:, :view].view(rows, -1, head_dim), cos, sin)
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(a, b)  # products and sum rounded exactly as torch does
+    assert torch.equal(a[:, view:], qkv[:, view:])  # V untouched
+
+
+def test_native_ops_fall_back_where_they_do_not_apply() -> None:
+    ref_ops, native = _ops()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    w = torch.ones(8, dtype=torch.float64)
+    out, _ = native.rms_norm_(x, w, 1e-6, None)  # float64: the torch reference
+    torch.testing.assert_close(out, ref_ops.rms_norm_(x, w, 1e-6, None)[0])
+    gu = torch.randn(2, 10).t()  # not row-major
+    torch.testing.assert_close(native.silu_mul(gu, 1), ref_ops.silu_mul(gu, 1))
