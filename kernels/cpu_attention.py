@@ -69,7 +69,14 @@ class _Kernels:
         self.write_kv = lib.write_kv_cache
         self.write_kv.argtypes = _WRITE_ARGTYPES
         self.write_kv.restype = None
+        self.gather = lib.gather_blocks
+        self.gather.argtypes = [_c_void_p, _c_long, _c_void_p, _c_long, _c_void_p]
+        self.gather.restype = None
 
+
+# SDPA's CPU flash kernel, which also returns the log-sum-exp of each query row: what
+# merging two partial attentions needs (see CpuPagedAttention._chunk_with_context)
+_SDPA_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 _kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on first use
 
@@ -200,6 +207,85 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> None:
         if not write_kv_cache_native(k, v, k_cache, v_cache, slot_mapping):
             super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def _gather_native(
+        self, which: str, cache: torch.Tensor, blocks: torch.Tensor, kernels: _Kernels
+    ) -> torch.Tensor:
+        """cache[blocks] ([n, block_size, Hkv, D]) into the reusable buffer `which`."""
+        row = cache[0].numel()
+        n = blocks.numel()
+        buf = self._scratch.get(which)
+        if buf is None or buf.dtype != cache.dtype or buf.numel() < n * row:
+            buf = torch.empty(max(n * row, 1), dtype=cache.dtype)
+            self._scratch[which] = buf
+        kernels.gather(
+            cache.data_ptr(), row * cache.element_size(), blocks.data_ptr(), n, buf.data_ptr()
+        )
+        return buf[: n * row].view(n, *cache.shape[1:])
+
+    def _chunk_with_context(
+        self,
+        qi: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        i: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """The chunk's attention as two unmasked-or-causal parts merged by log-sum-exp.
+
+        The reference gathers all k_len keys and runs SDPA with a [q_len, k_len] additive
+        mask, which computes every masked score too. Here: (1) the cached context (all
+        keys before the chunk, no mask needed; the query heads of a KV head folded into
+        its rows, so no K/V repeat), (2) the chunk over its own fresh k/v with
+        is_causal=True (half the scores skipped, nothing gathered), then
+        out = (o1 e^{lse1} + o2 e^{lse2}) / (e^{lse1} + e^{lse2}), in float32.
+        """
+        kernels = _get_kernels()
+        q_len, k_len = meta.q_lens[i], meta.k_lens[i]
+        ctx = k_len - q_len
+        if (
+            kernels is None
+            or _SDPA_WITH_LSE is None
+            or qi.device.type != "cpu"
+            or k_cache.dtype != qi.dtype
+            or not k_cache.is_contiguous()
+        ):
+            return super()._chunk_with_context(qi, k_new, v_new, k_cache, v_cache, meta, i, scale)
+        _, h, _, d = qi.shape
+        bs, hkv = k_cache.shape[1], k_cache.shape[2]
+        g = h // hkv
+        blocks = meta.block_tables[i, : -(-ctx // bs)].contiguous()  # int32
+        kc = self._gather_native("k", k_cache, blocks, kernels).flatten(0, 1)[:ctx]
+        vc = self._gather_native("v", v_cache, blocks, kernels).flatten(0, 1)[:ctx]
+        # (1) context: [1, Hkv, G * q_len, D] queries against [1, Hkv, ctx, D] keys
+        q_fold = qi.reshape(1, hkv, g * q_len, d)
+        o1, lse1 = _SDPA_WITH_LSE(
+            q_fold,
+            kc.transpose(0, 1).unsqueeze(0),
+            vc.transpose(0, 1).unsqueeze(0),
+            0.0,
+            False,
+            scale=scale,
+        )
+        # (2) the chunk itself, causal (GQA handled by the kernel)
+        o2, lse2 = _SDPA_WITH_LSE(
+            qi,
+            k_new.transpose(0, 1).unsqueeze(0),  # [1, Hkv, q_len, D]
+            v_new.transpose(0, 1).unsqueeze(0),
+            0.0,
+            True,
+            scale=scale,
+        )
+        lse1 = lse1.reshape(1, h, q_len, 1)
+        lse2 = lse2.reshape(1, h, q_len, 1)
+        m = torch.maximum(lse1, lse2)
+        w1 = (lse1 - m).exp_()
+        w2 = (lse2 - m).exp_()
+        merged = o1.reshape(1, h, q_len, d).float().mul_(w1).add_(o2.float().mul_(w2))
+        return merged.div_(w1.add_(w2)).to(qi.dtype)  # [1, H, q_len, D]
 
     def _decodes(
         self,

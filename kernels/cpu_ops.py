@@ -1,10 +1,10 @@
-"""Fused RMSNorm(+residual), SiLU-and-multiply and RoPE through kernels/csrc/cpu_ops.c.
+"""Fused RMSNorm(+residual) and RoPE through kernels/csrc/cpu_ops.c.
 
 `HotOps` is the interface the model calls for its elementwise work; `TORCH_OPS` is the
 plain-PyTorch implementation (sarazmq.kernels.ops, the reference), `NativeCpuOps` the C
 one, each op falling back to the reference where the kernel does not apply (device,
 dtype, strides). Same numerics as the reference up to float32 summation order in the
-RMSNorm reduction and a last-ulp difference in exp for SiLU.
+RMSNorm reduction. SiLU-and-multiply stays on torch (faster than a C version).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from .ops import apply_rope_, rms_norm_
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_P, _L, _P, _L, _P, _P, _L, _L, _I, _F],
-    "silu_mul": [_P, _L, _P, _L, _I],
     "rope": [_P, _L, _P, _P, _L, _I, _I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -118,15 +117,6 @@ class NativeCpuOps(HotOps):
             eps,
         )
         return out, (x if residual is None else residual)
-
-    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        fn = self._fns.get(("silu_mul", gate_up.dtype))
-        if fn is None or not _rows_ok(gate_up) or gate_up.shape[1] != 2 * inter:
-            return super().silu_mul(gate_up, inter)
-        rows = gate_up.shape[0]
-        out = torch.empty((rows, inter), dtype=gate_up.dtype)
-        fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter)
-        return out
 
     def apply_rope_(
         self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor

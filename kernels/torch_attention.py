@@ -149,20 +149,42 @@ class TorchPagedAttention:
                     qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
                 )
             else:
-                blocks, mask = self._chunk_index(meta, i, k_cache.shape[1], q.dtype)
-                ki = self._gather("k", k_cache, blocks).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
-                vi = self._gather("v", v_cache, blocks).flatten(0, 1)[:k_len]
-                oi = F.scaled_dot_product_attention(
-                    qi,
-                    ki.transpose(0, 1).unsqueeze(0),  # [1, Hkv, k_len, D]
-                    vi.transpose(0, 1).unsqueeze(0),
-                    attn_mask=mask,
-                    scale=scale,
-                    enable_gqa=True,
+                oi = self._chunk_with_context(
+                    qi, k[start:end], v[start:end], k_cache, v_cache, meta, i, scale
                 )
             out[start:end] = oi[0].transpose(0, 1)
             start = end
         return out
+
+    def _chunk_with_context(
+        self,
+        qi: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        i: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Prefill chunk i over its cached context plus itself (causal within the chunk).
+
+        qi: [1, H, q_len, D]; k_new, v_new: [q_len, Hkv, D] (already in the cache too).
+        Returns [1, H, q_len, D]. Here: all k_len keys gathered, one SDPA call with an
+        additive mask offset by the context.
+        """
+        k_len = meta.k_lens[i]
+        blocks, mask = self._chunk_index(meta, i, k_cache.shape[1], qi.dtype)
+        ki = self._gather("k", k_cache, blocks).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
+        vi = self._gather("v", v_cache, blocks).flatten(0, 1)[:k_len]
+        return F.scaled_dot_product_attention(
+            qi,
+            ki.transpose(0, 1).unsqueeze(0),  # [1, Hkv, k_len, D]
+            vi.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
 
     def _decodes(
         self,

@@ -463,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="timed repetitions (median)")
     ap.add_argument("--quick", action="store_true", help="2 runs, small end-to-end batch")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="auto (cpu = native kernels where they build), cpu, torch",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows")
     ap.add_argument("--e2e-requests", type=int, default=0, help="0: 16 (8 with --quick)")
@@ -481,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     print(
         f"bench_engine: dtype={args.dtype} runs={runs} threads={torch.get_num_threads()} "
+        f"attention={args.attention_backend} "
         f"torch={torch.__version__}",
         flush=True,
     )
@@ -509,8 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=PROMPT_LEN + 64,
         max_num_seqs=64,
         num_threads=args.threads,
+        attention_backend=args.attention_backend,
     )
     cost = model_cost(llm, dtype)
+    print(f"attention backend in use: {llm.engine.runner.model.attention.name}", flush=True)
 
     def limit_s(q_lens: list[int], k_lens: list[int], sampled: int) -> float:
         return max(cost.flops(q_lens, k_lens, sampled) / peak, cost.bytes(k_lens) / bw)

@@ -1,6 +1,8 @@
-/* Fused elementwise ops of the Llama block for CPUs: RMSNorm with the residual add,
- * SiLU-and-multiply, and RoPE in place. Each replaces 3-9 small torch ops whose dispatch
- * costs more than their math in decode steps (30 layers x a dozen ops per step).
+/* Fused elementwise ops of the Llama block for CPUs: RMSNorm with the residual add, and
+ * RoPE in place. Each replaces 4-9 small torch ops whose dispatch costs more than their
+ * math in decode steps (30 layers x a dozen ops per step); measured 2-5x faster than the
+ * torch ops from 1 to 512 rows. (SiLU-and-multiply stays in torch: its vectorized exp
+ * beat a C version at every size.)
  *
  * Numerics follow transformers' Llama (and sarazmq.kernels.ops, the torch reference)
  * operation for operation: float32 math, and for bf16 a rounding to bf16 wherever torch
@@ -74,29 +76,6 @@ void rms_norm_bf16(const uint16_t *x, long x_stride, uint16_t *residual, long r_
     }
 }
 
-/* out[i, :] = silu(gu[i, :inter]) * gu[i, inter:]; gu [rows, 2 * inter] row stride g_stride */
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
-void silu_mul_f32(const float *gu, long g_stride, float *out, long rows, int inter) {
-    PAR_ROWS(rows)
-    for (long i = 0; i < rows; i++) {
-        const float *g = gu + i * g_stride, *u = g + inter;
-        float *o = out + i * (long)inter;
-#pragma omp simd
-        for (int j = 0; j < inter; j++) o[j] = silu(g[j]) * u[j];
-    }
-}
-
-void silu_mul_bf16(const uint16_t *gu, long g_stride, uint16_t *out, long rows, int inter) {
-    PAR_ROWS(rows)
-    for (long i = 0; i < rows; i++) {
-        const uint16_t *g = gu + i * g_stride, *u = g + inter;
-        uint16_t *o = out + i * (long)inter;
-#pragma omp simd
-        for (int j = 0; j < inter; j++) o[j] = to_bf(round_bf(silu(bf(g[j]))) * bf(u[j]));
-    }
-}
-
 /* RoPE in place (rotate_half convention) on x [rows, heads, D] (row stride x_stride, head
  * stride D), with per-row tables cos [rows, D] and sin_signed [rows, D] (= cat(-sin, sin))
  * already in x's dtype: x = x * cos + cat(x2, x1) * sin_signed. */
@@ -110,10 +89,8 @@ void rope_f32(float *x, long x_stride, const float *cos, const float *sin_signed
             float *xh = x + i * x_stride + (long)h * D;
             float tmp[512];
             for (int d = 0; d < D; d++) tmp[d] = xh[d];
-            for (int d = 0; d < D; d++) {
-                const float sw = tmp[d < half ? d + half : d - half];
-                xh[d] = tmp[d] * c[d] + sw * s[d];
-            }
+            for (int d = 0; d < half; d++) xh[d] = tmp[d] * c[d] + tmp[d + half] * s[d];
+            for (int d = half; d < D; d++) xh[d] = tmp[d] * c[d] + tmp[d - half] * s[d];
         }
     }
 }
@@ -128,10 +105,10 @@ void rope_bf16(uint16_t *x, long x_stride, const uint16_t *cos, const uint16_t *
             uint16_t *xh = x + i * x_stride + (long)h * D;
             float tmp[512];
             for (int d = 0; d < D; d++) tmp[d] = bf(xh[d]);
-            for (int d = 0; d < D; d++) {
-                const float sw = tmp[d < half ? d + half : d - half];
-                xh[d] = to_bf(round_bf(tmp[d] * bf(c[d])) + round_bf(sw * bf(s[d])));
-            }
+            for (int d = 0; d < half; d++)
+                xh[d] = to_bf(round_bf(tmp[d] * bf(c[d])) + round_bf(tmp[d + half] * bf(s[d])));
+            for (int d = half; d < D; d++)
+                xh[d] = to_bf(round_bf(tmp[d] * bf(c[d])) + round_bf(tmp[d - half] * bf(s[d])));
         }
     }
 }
