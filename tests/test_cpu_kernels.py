@@ -235,3 +235,37 @@ def test_cpu_backend_chunk_with_long_context_matches_reference(dtype: torch.dtyp
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
     else:
         torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a POSIX shell wrapper")
+def test_portable_c_path_without_avx512(tmp_path) -> None:
+    # the kernels built for a CPU without AVX-512 (the compiler told so): the portable C
+    # path must give the same results as the reference
+    import shutil
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc-no-avx512"
+    wrapper.write_text(f'#!/bin/sh\nexec {cc} "$@" -mno-avx512f\n')
+    wrapper.chmod(0o755)
+    code = (
+        "import torch\n"
+        "from tests.test_kernels import _scenario\n"
+        "from sarazmq.kernels.cpu_attention import paged_decode_attention\n"
+        "from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache\n"
+        "for d in (64, 128):\n"
+        "    seqs = [(1, n) for n in (1, 17, 33, 70)]\n"
+        "    q, k, v, kc, vc, meta, kf, vf = _scenario(seqs, 6, 2, d, 16, seed=d)\n"
+        "    write_kv_cache(k, v, kc, vc, meta.slot_mapping)\n"
+        "    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens_k, 0.1)\n"
+        "    ref = reference_attention(q, kf, vf, meta.q_lens, meta.k_lens, 0.1)\n"
+        "    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)\n"
+    )
+    env = dict(os.environ, CC=str(wrapper), SARAZMQ_CACHE=str(tmp_path / "cache"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "cache" / "native").glob("cpu_attention-*.so"))
