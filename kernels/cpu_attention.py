@@ -36,6 +36,7 @@ _ARGTYPES = [
     _c_int,  # D
     _c_int,  # block_size
     _c_float,  # scale
+    _c_long,  # num_blocks of the cache (block ids are checked against it)
 ]
 
 
@@ -50,6 +51,7 @@ _WRITE_ARGTYPES = [
     _c_long,  # num tokens
     _c_long,  # elements per row (Hkv * D)
     _c_long,  # element size in bytes
+    _c_long,  # number of slots in the cache (slots are checked against it)
 ]
 
 
@@ -68,10 +70,10 @@ class _Kernels:
             self.decode[dtype] = fn
         self.write_kv = lib.write_kv_cache
         self.write_kv.argtypes = _WRITE_ARGTYPES
-        self.write_kv.restype = None
+        self.write_kv.restype = _c_int
         self.gather = lib.gather_blocks
-        self.gather.argtypes = [_c_void_p, _c_long, _c_void_p, _c_long, _c_void_p]
-        self.gather.restype = None
+        self.gather.argtypes = [_c_void_p, _c_long, _c_void_p, _c_long, _c_void_p, _c_long]
+        self.gather.restype = _c_int
 
 
 # SDPA's CPU flash kernel, which also returns the log-sum-exp of each query row: what
@@ -113,7 +115,7 @@ def write_kv_cache_native(
         or v.stride()[1:] != (d, 1)
     ):
         return False
-    kernels.write_kv(
+    rc = kernels.write_kv(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -124,7 +126,13 @@ def write_kv_cache_native(
         t,
         hkv * d,
         k.element_size(),
+        k_cache.numel() // (hkv * d),
     )
+    if rc != 0:
+        raise IndexError(
+            f"KV cache slot out of range: a slot in slot_mapping is outside the cache's "
+            f"{k_cache.numel() // (hkv * d)} slots"
+        )
     return True
 
 
@@ -178,7 +186,13 @@ def paged_decode_attention(
         d,
         k_cache.shape[1],
         scale,
+        k_cache.shape[0],
     )
+    if rc == -2:
+        raise IndexError(
+            f"decode attention: a sequence length or block id reaches outside the KV cache "
+            f"({k_cache.shape[0]} blocks of {k_cache.shape[1]} tokens)"
+        )
     return out if rc == 0 else None
 
 
@@ -218,9 +232,16 @@ class CpuPagedAttention(TorchPagedAttention):
         if buf is None or buf.dtype != cache.dtype or buf.numel() < n * row:
             buf = torch.empty(max(n * row, 1), dtype=cache.dtype)
             self._scratch[which] = buf
-        kernels.gather(
-            cache.data_ptr(), row * cache.element_size(), blocks.data_ptr(), n, buf.data_ptr()
+        rc = kernels.gather(
+            cache.data_ptr(),
+            row * cache.element_size(),
+            blocks.data_ptr(),
+            n,
+            buf.data_ptr(),
+            cache.shape[0],
         )
+        if rc != 0:
+            raise IndexError(f"block id out of range for a KV cache of {cache.shape[0]} blocks")
         return buf[: n * row].view(n, *cache.shape[1:])
 
     def _chunk_with_context(

@@ -269,3 +269,34 @@ def test_portable_c_path_without_avx512(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "cache" / "native").glob("cpu_attention-*.so"))
+
+
+def test_out_of_range_slots_and_blocks_are_errors_not_stray_writes() -> None:
+    # a bad plan (a scheduler bug) must raise like the torch path, never touch memory
+    # outside the cache
+    seqs = [(1, 9), (1, 20)]
+    q, k, v, k_cache, v_cache, meta, _, _ = _scenario(seqs, 6, 2, 64, 4, seed=4)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    before = k_cache.clone()
+    bad_slots = torch.tensor([3, num_slots])
+    with pytest.raises(IndexError, match="slot"):
+        write_kv_cache_native(k, v, k_cache, v_cache, bad_slots)
+    assert torch.equal(k_cache, before)  # validated before anything is written
+    tables = meta.block_tables.clone()
+    tables[1, 2] = k_cache.shape[0]  # one block id past the end
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens_k, 0.1)
+    too_long = meta.seq_lens_k.clone()
+    too_long[0] = 4 * tables.shape[1] + 1  # longer than its block table
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        paged_decode_attention(q, k_cache, v_cache, meta.block_tables, too_long, 0.1)
+
+
+def test_out_of_range_block_in_a_prefill_chunk_is_an_error() -> None:
+    seqs = [(5, 20)]
+    q, k, v, k_cache, v_cache, meta, _, _ = _scenario(seqs, 6, 2, 64, 4, seed=6)
+    meta.block_tables[0, 0] = k_cache.shape[0] + 3
+    with pytest.raises(IndexError, match="block id out of range"):
+        CpuPagedAttention()._chunk_with_context(
+            q.transpose(0, 1).unsqueeze(0), k, v, k_cache, v_cache, meta, 0, 0.1
+        )

@@ -236,6 +236,21 @@ DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, load16_bf16, narrow_bf16)
 #define HAVE_AVX512_ITEM 1
 #endif
 
+/* Whether every block a sequence's keys occupy is a valid block id (and the table is
+ * long enough for its length): a bad plan must be an error, not a stray memory access. */
+static int tables_in_range(const int32_t *tables, long table_stride, const int32_t *lens,
+                           long nd, int block_size, long num_blocks) {
+    for (long n = 0; n < nd; n++) {
+        const long nblk = ((long)lens[n] + block_size - 1) / block_size;
+        if (lens[n] < 1 || nblk > table_stride) return 0;
+        for (long b = 0; b < nblk; b++) {
+            const int32_t id = tables[n * table_stride + b];
+            if (id < 0 || id >= num_blocks) return 0;
+        }
+    }
+    return 1;
+}
+
 #define DEFINE_DECODE(NAME, T, WIDEN, NARROW, AVX_ITEM)                                                  \
     static inline __attribute__((always_inline)) void NAME##_item(                             \
         const int D, const T *q, long q_stride, const T *k_cache, const T *v_cache,            \
@@ -271,13 +286,16 @@ DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, load16_bf16, narrow_bf16)
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    /* Returns 0, or -1 when a size is beyond the kernel's limits (caller falls back). */     \
+    /* Returns 0; -1 when a size is beyond the kernel's limits (the caller falls back);     \
+     * -2, touching nothing, when a length or block id would reach outside the cache. */     \
     int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache,                    \
              const int32_t *tables, long table_stride, const int32_t *lens, T *out, int nd,    \
-             int H, int Hkv, int D, int block_size, float scale) {                             \
+             int H, int Hkv, int D, int block_size, float scale, long num_blocks) {            \
         if (D > MAX_D || Hkv < 1 || H % Hkv != 0 || H / Hkv > MAX_G ||                         \
             block_size > MAX_BLOCK)                                                            \
             return -1;                                                                         \
+        if (!tables_in_range(tables, table_stride, lens, nd, block_size, num_blocks))          \
+            return -2;                                                                         \
         /* with enough sequences, one thread takes all KV heads of a sequence in a row:   \
          * the heads share cache lines' neighbours, so later heads hit in L2 */              \
         const long chunk = nd >= 4 ? Hkv : 1;                                                  \
@@ -324,22 +342,28 @@ DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, widen_bf16, narrow_bf16, IT
  * viewed as [num_slots, row_elems]; the same for v. elem_size is the element width in
  * bytes (the copy is dtype-agnostic). Replaces two index_copy_ calls, whose per-call
  * overhead in torch is far above the copy itself for a decode batch. */
-void write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, char *k_cache,
-                    char *v_cache, const int64_t *slots, long num_tokens, long row_elems,
-                    long elem_size) {
+int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, char *k_cache,
+                   char *v_cache, const int64_t *slots, long num_tokens, long row_elems,
+                   long elem_size, long num_slots) {
     const size_t row_bytes = (size_t)(row_elems * elem_size);
+    for (long i = 0; i < num_tokens; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots) return -2; /* nothing written */
 #pragma omp parallel for schedule(static) if (num_tokens >= 256)
     for (long i = 0; i < num_tokens; i++) {
         const long dst = slots[i] * (long)row_bytes;
         memcpy(k_cache + dst, k + i * k_stride * elem_size, row_bytes);
         memcpy(v_cache + dst, v + i * v_stride * elem_size, row_bytes);
     }
+    return 0;
 }
 
 /* Copies whole cache blocks into a contiguous buffer: out[i] = cache[blocks[i]], rows of
  * row_bytes bytes (a block of all heads). The torch path (index_select) reaches well under
  * 1 GB/s on blocks scattered over a multi-GB cache; this one prefetches ahead. */
-void gather_blocks(const char *cache, long row_bytes, const int32_t *blocks, long n, char *out) {
+int gather_blocks(const char *cache, long row_bytes, const int32_t *blocks, long n, char *out,
+                  long num_blocks) {
+    for (long i = 0; i < n; i++)
+        if (blocks[i] < 0 || blocks[i] >= num_blocks) return -2; /* nothing copied */
 #pragma omp parallel for schedule(static) if (n * row_bytes >= (1L << 20))
     for (long i = 0; i < n; i++) {
         if (i + 2 < n) {
@@ -348,4 +372,5 @@ void gather_blocks(const char *cache, long row_bytes, const int32_t *blocks, lon
         }
         memcpy(out + i * row_bytes, cache + (long)blocks[i] * row_bytes, (size_t)row_bytes);
     }
+    return 0;
 }
