@@ -226,23 +226,18 @@ class CpuPagedAttention(TorchPagedAttention):
         self, which: str, cache: torch.Tensor, blocks: torch.Tensor, kernels: _Kernels
     ) -> torch.Tensor:
         """cache[blocks] ([n, block_size, Hkv, D]) into the reusable buffer `which`."""
-        row = cache[0].numel()
-        n = blocks.numel()
-        buf = self._scratch.get(which)
-        if buf is None or buf.dtype != cache.dtype or buf.numel() < n * row:
-            buf = torch.empty(max(n * row, 1), dtype=cache.dtype)
-            self._scratch[which] = buf
+        out = self._scratch_rows(which, cache, blocks.numel())
         rc = kernels.gather(
             cache.data_ptr(),
-            row * cache.element_size(),
+            out.shape[1] * cache.element_size(),
             blocks.data_ptr(),
-            n,
-            buf.data_ptr(),
+            out.shape[0],
+            out.data_ptr(),
             cache.shape[0],
         )
         if rc != 0:
             raise IndexError(f"block id out of range for a KV cache of {cache.shape[0]} blocks")
-        return buf[: n * row].view(n, *cache.shape[1:])
+        return out.view(out.shape[0], *cache.shape[1:])  # [n, block_size, Hkv, D]
 
     def _chunk_with_context(
         self,

@@ -86,10 +86,10 @@ class TorchPagedAttention:
         # cache misses that are as slow as the gather itself.
         self._scratch: dict[str, torch.Tensor] = {}
 
-    def _gather(self, which: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """`_gather_blocks` into the reusable buffer `which` ("k" or "v")."""
+    def _scratch_rows(self, which: str, cache: torch.Tensor, n: int) -> torch.Tensor:
+        """[n, block elements] view of the reusable buffer `which` ("k" or "v"), grown as
+        needed, in the cache's dtype and device."""
         row = cache[0].numel()
-        n = blocks.numel()
         buf = self._scratch.get(which)
         if (
             buf is None
@@ -99,9 +99,13 @@ class TorchPagedAttention:
         ):
             buf = torch.empty(max(n * row, 1), dtype=cache.dtype, device=cache.device)
             self._scratch[which] = buf
-        out = buf[: n * row].view(n, row)
+        return buf[: n * row].view(n, row)
+
+    def _gather(self, which: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """`_gather_blocks` into the reusable buffer `which` ("k" or "v")."""
+        out = self._scratch_rows(which, cache, blocks.numel())
         torch.index_select(cache.flatten(1), 0, blocks, out=out)
-        return out.view(n, *cache.shape[1:])  # [n, block_size, Hkv, D]
+        return out.view(out.shape[0], *cache.shape[1:])  # [n, block_size, Hkv, D]
 
     def _write_kv(
         self,

@@ -15,3 +15,16 @@ def alive(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return living
+
+
+def sarazmq_children(pid: int) -> dict[int, str]:
+    """pid -> command line of every sarazmq process descending from `pid` (no one else's)."""
+    out = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "sarazmq.procs." in cmd:
+            out[p.pid] = cmd
+    return out

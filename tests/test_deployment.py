@@ -12,6 +12,7 @@ import time
 
 import pytest
 from proc_utils import alive as _alive
+from proc_utils import sarazmq_children as _children
 
 from sarazmq.client import AsyncClient, Client, EngineError, RequestError
 from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -198,21 +199,6 @@ def test_tp3_equals_tp1(reference) -> None:
     ):
         for p in PROMPTS[:4]:
             assert c.generate(p, GREEDY).token_ids == reference[p]
-
-
-def _children(pid: int) -> dict[int, str]:
-    """pid -> cmdline of every sarazmq process descending from `pid` (not anyone else's)."""
-    import psutil
-
-    out = {}
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if "sarazmq.procs." in cmd:
-            out[p.pid] = cmd
-    return out
 
 
 def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -> None:

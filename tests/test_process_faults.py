@@ -19,9 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from proc_utils import alive
+from proc_utils import alive, sarazmq_children
 
 from sarazmq.client import Client, EngineError
 from sarazmq.sampling_params import SamplingParams
@@ -34,15 +33,9 @@ KINDS = ("frontend", "scheduler", "worker", "detokenizer")
 
 def children(pid: int) -> dict[int, str]:
     """pid -> process kind of every sarazmq child of `pid`."""
-    out = {}
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if "sarazmq.procs." in cmd:
-            out[p.pid] = cmd.split("sarazmq.procs.", 1)[1].split()[0]
-    return out
+    return {
+        p: cmd.split("sarazmq.procs.", 1)[1].split()[0] for p, cmd in sarazmq_children(pid).items()
+    }
 
 
 def wait_healthy(endpoint: str, timeout: float) -> float:
