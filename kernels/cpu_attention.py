@@ -40,6 +40,25 @@ _ARGTYPES = [
 ]
 
 
+_PREFILL_ARGTYPES = [
+    _c_void_p,  # q
+    _c_long,  # q token stride (elements)
+    _c_void_p,  # k_cache
+    _c_void_p,  # v_cache
+    _c_void_p,  # the sequence's block table (int32)
+    _c_int,  # q_len
+    _c_int,  # k_len
+    _c_int,  # H
+    _c_int,  # Hkv
+    _c_int,  # D
+    _c_int,  # block_size
+    _c_float,  # scale
+    _c_void_p,  # out
+    _c_long,  # out token stride (elements)
+    _c_long,  # num_blocks of the cache (block ids are checked against it)
+    _c_void_p,  # scratch for the packed K/V
+]
+
 _WRITE_ARGTYPES = [
     _c_void_p,  # k
     _c_long,  # k token stride (elements)
@@ -68,6 +87,9 @@ class _Kernels:
             fn.argtypes = _ARGTYPES
             fn.restype = _c_int
             self.decode[dtype] = fn
+        self.prefill_bf16 = lib.prefill_attention_bf16
+        self.prefill_bf16.argtypes = _PREFILL_ARGTYPES
+        self.prefill_bf16.restype = _c_int
         self.write_kv = lib.write_kv_cache
         self.write_kv.argtypes = _WRITE_ARGTYPES
         self.write_kv.restype = _c_int
@@ -196,6 +218,81 @@ def paged_decode_attention(
     return out if rc == 0 else None
 
 
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    k_len: int,
+    scale: float,
+    out: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> bool:
+    """Causal attention of one prefill chunk over its whole sequence, read from the paged
+    cache (bf16 on CPUs with AVX512-BF16, head size 64 or 128); False when the kernel does
+    not apply and nothing was written.
+
+    q: [q_len, H, D] (token stride free, heads contiguous), the queries at positions
+    k_len - q_len .. k_len - 1; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+    contiguous, holding all k_len keys (the chunk's own included); block_table: int32
+    block ids of the sequence; out: [q_len, H, D] like q (token stride free);
+    scratch: optional bf16 buffer of >= `prefill_scratch_elems` elements.
+    """
+    kernels = _get_kernels()
+    if kernels is None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+        return False
+    q_len, h, d = q.shape
+    if (
+        k_cache.dtype != q.dtype
+        or out.dtype != q.dtype
+        or out.shape != q.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or q.stride(2) != 1
+        or q.stride(1) != d
+        or out.stride(2) != 1
+        or out.stride(1) != d
+        or block_table.dtype != torch.int32
+        or not block_table.is_contiguous()
+    ):
+        return False
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    if block_table.numel() * bs < k_len:
+        raise IndexError(f"block table of {block_table.numel()} blocks is short for {k_len} keys")
+    need = prefill_scratch_elems(k_len, hkv, d)
+    if scratch is None or scratch.numel() < need or scratch.dtype != q.dtype:
+        scratch = torch.empty(need, dtype=q.dtype)
+    rc = kernels.prefill_bf16(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        q_len,
+        k_len,
+        h,
+        hkv,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        k_cache.shape[0],
+        scratch.data_ptr(),
+    )
+    if rc == -2:
+        raise IndexError(
+            f"prefill attention: a block id reaches outside the KV cache "
+            f"({k_cache.shape[0]} blocks)"
+        )
+    return rc == 0
+
+
+def prefill_scratch_elems(k_len: int, num_kv_heads: int, head_dim: int) -> int:
+    """Elements of the packed-K/V scratch `prefill_attention` needs: K and V of every KV
+    head in runs of 16 keys."""
+    return 2 * num_kv_heads * -(-k_len // 16) * 16 * head_dim
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """The torch backend with decodes (and the KV cache writes) through the native kernels
     (see module docstring)."""
@@ -221,6 +318,30 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> None:
         if not write_kv_cache_native(k, v, k_cache, v_cache, slot_mapping):
             super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def _prefill_into(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        i: int,
+        scale: float,
+    ) -> bool:
+        k_len = meta.k_lens[i]
+        if q.dtype != torch.bfloat16 or _get_kernels() is None:
+            return False
+        bs = k_cache.shape[1]
+        table = meta.block_tables[i, : -(-k_len // bs)]
+        # scratch rows are cache-block rows; enough of them for the packed K/V
+        row = k_cache[0].numel()
+        scratch = self._scratch_rows(
+            "packed",
+            k_cache,
+            -(-prefill_scratch_elems(k_len, k_cache.shape[2], k_cache.shape[3]) // row),
+        ).view(-1)
+        return prefill_attention(q, k_cache, v_cache, table, k_len, scale, out, scratch)
 
     def _gather_native(
         self, which: str, cache: torch.Tensor, blocks: torch.Tensor, kernels: _Kernels

@@ -144,6 +144,9 @@ class TorchPagedAttention:
         for i in range(nd, meta.num_seqs):
             q_len, k_len = meta.q_lens[i], meta.k_lens[i]
             end = start + q_len
+            if self._prefill_into(out[start:end], q[start:end], k_cache, v_cache, meta, i, scale):
+                start = end
+                continue
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if k_len == q_len:
                 # no earlier context: this chunk's own k/v are the whole sequence
@@ -159,6 +162,21 @@ class TorchPagedAttention:
             out[start:end] = oi[0].transpose(0, 1)
             start = end
         return out
+
+    def _prefill_into(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        i: int,
+        scale: float,
+    ) -> bool:
+        """Hook for a backend's own prefill kernel: attends prefill chunk i (q: [q_len, H, D],
+        its K/V already in the cache) into out ([q_len, H, D]) and returns True, or returns
+        False to take the SDPA path below. Here: always False."""
+        return False
 
     def _chunk_with_context(
         self,

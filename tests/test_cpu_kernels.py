@@ -15,6 +15,7 @@ from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_atten
 from sarazmq.kernels.cpu_attention import (
     cpu_attention_available,
     paged_decode_attention,
+    prefill_attention,
     write_kv_cache_native,
 )
 from sarazmq.kernels.cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
@@ -63,10 +64,18 @@ def test_decode_kernel_reads_strided_queries() -> None:
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
-def test_decode_kernel_bf16_close_to_reference(head_dim: int) -> None:
-    seqs = [(1, 9), (1, 30), (1, 2), (1, 100)]
-    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, head_dim, 16, seed=9)
+# bf16 has its own AVX-512 path (VDPBF16PS dot products, V rows widened in an even/odd
+# order that the output store undoes), compiled per (head_dim, heads per KV head) pair
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("heads", [(6, 2), (9, 3), (8, 1), (4, 4), (20, 2)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_decode_kernel_bf16_close_to_reference(
+    head_dim: int, heads: tuple[int, int], block_size: int
+) -> None:
+    seqs = [(1, 9), (1, 30), (1, 2), (1, 100), (1, 16), (1, 33)]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(
+        seqs, *heads, head_dim, block_size, seed=9
+    )
     bf = torch.bfloat16
     kc, vc = k_cache.to(bf), v_cache.to(bf)
     write_kv_cache(k.to(bf), v.to(bf), kc, vc, meta.slot_mapping)
@@ -76,6 +85,63 @@ def test_decode_kernel_bf16_close_to_reference(head_dim: int) -> None:
     vf = [t.to(bf) for t in v_full]
     ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, 0.25)
     torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
+def _bf16_prefill_case(
+    q_len: int, k_len: int, heads: tuple[int, int], head_dim: int, block_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(native output or None when the kernel declined, float32 reference) for one chunk."""
+    bf = torch.bfloat16
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(
+        [(q_len, k_len)], *heads, head_dim, block_size, seed=q_len + k_len
+    )
+    kc, vc = k_cache.to(bf), v_cache.to(bf)
+    write_kv_cache(k.to(bf), v.to(bf), kc, vc, meta.slot_mapping)
+    out = torch.full(q.shape, float("nan"), dtype=bf)
+    scale = head_dim**-0.5
+    ok = prefill_attention(q.to(bf), kc, vc, meta.block_tables[0], k_len, scale, out)
+    kf, vf = [t.to(bf) for t in k_full], [t.to(bf) for t in v_full]
+    ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, scale)
+    return (out if ok else None), ref
+
+
+_PREFILL_BF16 = _bf16_prefill_case(1, 1, (2, 1), 64, 16)[0] is not None
+
+
+# causal chunks with and without earlier context, at and off the 16-key and row-group
+# edges, over blocks of several sizes; grouped-query layouts with G of 1, 3 and 8
+@pytest.mark.skipif(not _PREFILL_BF16, reason="CPU without AVX512-BF16: no native prefill")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize(
+    "lens", [(1, 1), (5, 5), (16, 16), (37, 37), (3, 40), (16, 48), (33, 100), (64, 81)]
+)
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_prefill_kernel_bf16_close_to_reference(
+    head_dim: int, heads: tuple[int, int], lens: tuple[int, int], block_size: int
+) -> None:
+    out, ref = _bf16_prefill_case(*lens, heads, head_dim, block_size)
+    assert out is not None
+    # probabilities rounded to bf16 before the V product, as SDPA's bf16 CPU kernel does
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
+def test_prefill_kernel_declines_what_it_cannot_do() -> None:
+    q, k, v, k_cache, v_cache, meta, _, _ = _scenario([(4, 9)], 4, 2, 64, 4, seed=3)
+    table = meta.block_tables[0]
+    out = torch.empty_like(q)
+    # float32 and head sizes other than 64/128 take the SDPA path
+    assert not prefill_attention(q, k_cache, v_cache, table, 9, 0.1, out)
+    bf = torch.bfloat16
+    q80 = torch.zeros(4, 4, 80, dtype=bf)
+    c80 = torch.zeros(6, 4, 2, 80, dtype=bf)
+    assert not prefill_attention(q80, c80, c80, table, 9, 0.1, torch.empty_like(q80))
+    # a block id outside the cache is an error, as everywhere else
+    bad = table.clone()
+    bad[1] = 10_000
+    if _PREFILL_BF16:
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            prefill_attention(q.to(bf), k_cache.to(bf), v_cache.to(bf), bad, 9, 0.1, out.to(bf))
 
 
 def test_decode_kernel_declines_what_it_cannot_do() -> None:
@@ -221,6 +287,39 @@ def test_native_ops_fall_back_where_they_do_not_apply() -> None:
     torch.testing.assert_close(native.apply_rope_(qk.clone(), cos, sin), qk)
 
 
+# the model's shapes (hidden 576 -> qkv 960, MLP 1536, vocab rows), a row count below,
+# at and past the kernel's limit, widths off the 16-row tile, inputs with a row stride
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("n_k", [(960, 576), (576, 1536), (49, 64), (16, 32)])
+def test_native_bf16_linear_matches_torch(rows: int, n_k: tuple[int, int]) -> None:
+    ref_ops, native = _ops()
+    n, k = n_k
+    g = torch.Generator().manual_seed(n + k + rows)
+    bf = torch.bfloat16
+    w = (torch.randn(n, k, generator=g) * 0.05).to(bf)
+    x = torch.randn(rows, 2 * k, generator=g).to(bf)[:, :k]  # row stride 2k
+    out = native.linear(x, w)
+    ref = torch.nn.functional.linear(x, w)
+    assert out.shape == ref.shape and out.dtype == bf
+    # float32 sums in another order, then one bf16 rounding: at most a unit in the last place
+    exact = x.float() @ w.float().T
+    torch.testing.assert_close(out.float(), exact, atol=1e-4, rtol=2**-7)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=2**-7)
+
+
+def test_native_linear_falls_back_where_it_does_not_apply() -> None:
+    ref_ops, native = _ops()
+    bf = torch.bfloat16
+    w = torch.randn(40, 48).to(bf)  # 48 inputs: not a multiple of 32
+    x = torch.randn(1, 48).to(bf)
+    torch.testing.assert_close(native.linear(x, w), torch.nn.functional.linear(x, w))
+    b = torch.randn(40).to(bf)
+    w64, x64 = torch.randn(40, 64).to(bf), torch.randn(1, 64).to(bf)
+    torch.testing.assert_close(native.linear(x64, w64, b), torch.nn.functional.linear(x64, w64, b))
+    xf, wf = torch.randn(2, 64), torch.randn(8, 64)  # float32: torch
+    assert torch.equal(native.linear(xf, wf), torch.nn.functional.linear(xf, wf))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_chunk_with_long_context_matches_reference(dtype: torch.dtype) -> None:
     # a later prefill chunk (context + itself, merged by log-sum-exp) next to decodes
@@ -238,29 +337,38 @@ def test_cpu_backend_chunk_with_long_context_matches_reference(dtype: torch.dtyp
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a POSIX shell wrapper")
-def test_portable_c_path_without_avx512(tmp_path) -> None:
-    # the kernels built for a CPU without AVX-512 (the compiler told so): the portable C
-    # path must give the same results as the reference
+@pytest.mark.parametrize("no_flag", ["-mno-avx512f", "-mno-avx512bf16"])
+def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None:
+    # the kernels built for a CPU without AVX-512 (the portable C path) or with AVX-512 but
+    # no BF16 dot products (bf16 keys widened to float32): the same results as the reference
     import shutil
 
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
-    wrapper = tmp_path / "cc-no-avx512"
-    wrapper.write_text(f'#!/bin/sh\nexec {cc} "$@" -mno-avx512f\n')
+    wrapper = tmp_path / "cc-restricted"
+    wrapper.write_text(f'#!/bin/sh\nexec {cc} "$@" {no_flag}\n')
     wrapper.chmod(0o755)
     code = (
         "import torch\n"
         "from tests.test_kernels import _scenario\n"
         "from sarazmq.kernels.cpu_attention import paged_decode_attention\n"
         "from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache\n"
+        "bf = torch.bfloat16\n"
         "for d in (64, 128):\n"
         "    seqs = [(1, n) for n in (1, 17, 33, 70)]\n"
         "    q, k, v, kc, vc, meta, kf, vf = _scenario(seqs, 6, 2, d, 16, seed=d)\n"
+        "    tables, lens = meta.block_tables, meta.seq_lens_k\n"
+        "    kb, vb = kc.to(bf), vc.to(bf)\n"
         "    write_kv_cache(k, v, kc, vc, meta.slot_mapping)\n"
-        "    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens_k, 0.1)\n"
+        "    out = paged_decode_attention(q, kc, vc, tables, lens, 0.1)\n"
         "    ref = reference_attention(q, kf, vf, meta.q_lens, meta.k_lens, 0.1)\n"
         "    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)\n"
+        "    write_kv_cache(k.to(bf), v.to(bf), kb, vb, meta.slot_mapping)\n"
+        "    out = paged_decode_attention(q.to(bf), kb, vb, tables, lens, 0.1)\n"
+        "    kf, vf = [t.to(bf) for t in kf], [t.to(bf) for t in vf]\n"
+        "    ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, 0.1)\n"
+        "    torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)\n"
     )
     env = dict(os.environ, CC=str(wrapper), SARAZMQ_CACHE=str(tmp_path / "cache"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -131,24 +131,124 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-#define DEFINE_ITEM_AVX512(NAME, T, LOAD16, NARROW)                                            \
+/* Lane i of the result = the sum of v[i]'s 16 lanes: all 16 horizontal sums of a run of
+ * keys in 45 shuffles and adds, where 16 separate reductions would take ~130 and a
+ * dependent chain each. */
+static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) pair sums, interleaved */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane sums of v4i .. v4i+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* lanes pairwise summed across the four 128-bit lanes */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* Query rows and key dot products per element type. Q_T is what one query row is kept as
+ * (NQ vectors), QLOAD fills it, KDOT returns the 16 partial products of a query row with
+ * one key row (to be summed horizontally by hsum16x16). */
+#define F32_NQ(ND) (ND)
+#define F32_QLOAD(qv, qr, ND) \
+    for (int j = 0; j < ND; j++) qv[j] = _mm512_loadu_ps(qr + 16 * j)
+static inline __attribute__((always_inline)) __m512 f32_kdot(const int ND, const __m512 *qv,
+                                                             const float *kr) {
+    __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+    for (int j = 1; j < ND; j++) d = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kr + 16 * j), d);
+    return d;
+}
+/* V rows: f32 as is */
+static inline __attribute__((always_inline)) void f32_vload(const int ND, __m512 *vv,
+                                                            const float *vr) {
+    for (int j = 0; j < ND; j++) vv[j] = _mm512_loadu_ps(vr + 16 * j);
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 queries stay bf16: VDPBF16PS multiplies adjacent bf16 pairs exactly and adds them in
+ * float32, one instruction per 32 key elements (no widening of the keys). */
+typedef __m512bh bf16_q_t;
+#define BF16_NQ(ND) ((ND) / 2)
+#define BF16_QLOAD(qv, qr, ND) \
+    for (int j = 0; j < ND / 2; j++) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j)
+static inline __attribute__((always_inline)) __m512 bf16_kdot(const int ND, const bf16_q_t *qv,
+                                                              const uint16_t *kr) {
+    __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
+                                (__m512bh)_mm512_loadu_si512(kr));
+    for (int j = 1; j < ND / 2; j++)
+        d = _mm512_dpbf16_ps(d, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+    return d;
+}
+#else
+typedef __m512 bf16_q_t;
+#define BF16_NQ(ND) (ND)
+#define BF16_QLOAD(qv, qr, ND) \
+    for (int j = 0; j < ND; j++) qv[j] = load16_bf16(qr + 16 * j)
+static inline __attribute__((always_inline)) __m512 bf16_kdot(const int ND, const bf16_q_t *qv,
+                                                              const uint16_t *kr) {
+    __m512 d = _mm512_mul_ps(qv[0], load16_bf16(kr));
+    for (int j = 1; j < ND; j++) d = _mm512_fmadd_ps(qv[j], load16_bf16(kr + 16 * j), d);
+    return d;
+}
+#endif
+/* V rows: 32 bf16 at a time widened in place, even elements (shift up) into vector 2c and
+ * odd ones (high halves masked) into 2c + 1, so the accumulators hold the head's dims
+ * permuted: vector 2c lane i is dim 32c + 2i, vector 2c + 1 lane i is dim 32c + 2i + 1. */
+static inline __attribute__((always_inline)) void bf16_vload(const int ND, __m512 *vv,
+                                                             const uint16_t *vr) {
+    for (int c = 0; c < ND / 2; c++) {
+        const __m512i x = _mm512_loadu_si512(vr + 32 * c);
+        vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000)));
+    }
+}
+static inline __attribute__((always_inline)) void f32_store_out(const int ND, float *o,
+                                                                const __m512 *acc, float inv) {
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int j = 0; j < ND; j++) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], iv));
+}
+static inline __attribute__((always_inline)) void bf16_store_out(const int ND, uint16_t *o,
+                                                                 const __m512 *acc, float inv) {
+    __attribute__((aligned(64))) float tmp[2][16];
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int c = 0; c < ND / 2; c++) {
+        _mm512_store_ps(tmp[0], _mm512_mul_ps(acc[2 * c], iv));
+        _mm512_store_ps(tmp[1], _mm512_mul_ps(acc[2 * c + 1], iv));
+        for (int i = 0; i < 16; i++) {
+            o[32 * c + 2 * i] = narrow_bf16(tmp[0][i]);
+            o[32 * c + 2 * i + 1] = narrow_bf16(tmp[1][i]);
+        }
+    }
+}
+
+/* One (sequence, KV head) work item: the G query heads of KV head h over the sequence's
+ * keys, in runs of up to 16 keys inside one block. Per run: 16 scores per query head
+ * (partial dot products reduced together by hsum16x16), an online-softmax update, then
+ * the weighted V rows. ND = D / 16 and G are compile-time constants at the call sites
+ * (always_inline), so queries and accumulators live in registers. */
+#define DEFINE_ITEM_AVX512(NAME, T, Q_T, NQ, QLOAD, KDOT, VLOAD, STORE_OUT)                     \
     static inline __attribute__((always_inline)) void NAME(                                    \
-        const int ND, const T *q, long q_stride, const T *k_cache, const T *v_cache,           \
-        const int32_t *tables, long table_stride, const int32_t *lens, T *out, int n, int h,   \
-        int H, int Hkv, int block_size, float scale) {                                         \
-        const int D = ND * 16, G = H / Hkv;                                                    \
+        const int ND, const int G, const T *q, long q_stride, const T *k_cache,                \
+        const T *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,       \
+        T *out, int n, int h, int H, int Hkv, int block_size, float scale) {                   \
+        const int D = ND * 16;                                                                 \
         const long tok_stride = (long)Hkv * D;                                                 \
         const long block_elems = (long)block_size * tok_stride;                                \
-        __m512 qv[MAX_G][MAX_D / 16], acc[MAX_G][MAX_D / 16];                                  \
+        Q_T qv[MAX_G][MAX_D / 16];                                                             \
+        __m512 acc[MAX_G][MAX_D / 16];                                                         \
         float m[MAX_G], l[MAX_G];                                                              \
-        __attribute__((aligned(64))) float s[MAX_G][16];                                       \
+        __attribute__((aligned(64))) float p[MAX_G][16];                                       \
         const __m512 sc = _mm512_set1_ps(scale);                                               \
+        const __m512 neg_inf = _mm512_set1_ps(-INFINITY);                                      \
         for (int g = 0; g < G; g++) {                                                          \
             const T *qr = q + (long)n * q_stride + (long)(h * G + g) * D;                      \
-            for (int j = 0; j < ND; j++) {                                                     \
-                qv[g][j] = _mm512_mul_ps(LOAD16(qr + 16 * j), sc);                             \
-                acc[g][j] = _mm512_setzero_ps();                                               \
-            }                                                                                  \
+            QLOAD(qv[g], qr, ND);                                                              \
+            for (int j = 0; j < ND; j++) acc[g][j] = _mm512_setzero_ps();                      \
             m[g] = -INFINITY;                                                                  \
             l[g] = 0.0f;                                                                       \
         }                                                                                      \
@@ -166,7 +266,6 @@ static inline __m512 exp512(__m512 x) {
             }                                                                                  \
         }                                                                                      \
         for (int start = 0, nt = 0; start < len; start += nt) {                                \
-            /* a run of up to 16 keys inside one block */                                     \
             const int off = start % block_size;                                                \
             nt = len - start < 16 ? len - start : 16;                                          \
             if (nt > block_size - off) nt = block_size - off;                                  \
@@ -188,51 +287,44 @@ static inline __m512 exp512(__m512 x) {
                                          + b, _MM_HINT_T0);                                    \
                     }                                                                          \
             }                                                                                  \
-            for (int t = 0; t < nt; t++) {                                                     \
-                __m512 kv[MAX_D / 16];                                                         \
-                for (int j = 0; j < ND; j++) kv[j] = LOAD16(kb + t * tok_stride + 16 * j);     \
-                for (int g = 0; g < G; g++) {                                                  \
-                    __m512 d = _mm512_mul_ps(qv[g][0], kv[0]);                                 \
-                    for (int j = 1; j < ND; j++) d = _mm512_fmadd_ps(qv[g][j], kv[j], d);      \
-                    s[g][t] = _mm512_reduce_add_ps(d);                                         \
-                }                                                                              \
-            }                                                                                  \
             const __mmask16 live = (__mmask16)((1u << nt) - 1u);                               \
             for (int g = 0; g < G; g++) {                                                      \
-                const __m512 sv = _mm512_maskz_loadu_ps(live, s[g]);                           \
-                const float bm = _mm512_mask_reduce_max_ps(live, sv);                          \
-                const float mx = bm > m[g] ? bm : m[g];                                        \
-                const float corr = exp_neg(m[g] - mx);                                         \
-                const __m512 pv =                                                              \
-                    _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));   \
-                l[g] = l[g] * corr + _mm512_reduce_add_ps(pv);                                 \
-                m[g] = mx;                                                                     \
-                _mm512_store_ps(s[g], pv);                                                     \
-                const __m512 cv = _mm512_set1_ps(corr);                                        \
-                for (int j = 0; j < ND; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);         \
+                __m512 part[16];                                                               \
+                for (int t = 0; t < 16; t++)                                                   \
+                    part[t] = t < nt ? KDOT(ND, qv[g], kb + t * tok_stride)                    \
+                                     : _mm512_setzero_ps();                                    \
+                const __m512 sv = _mm512_mask_mov_ps(                                          \
+                    neg_inf, live, _mm512_mul_ps(hsum16x16(part), sc));                        \
+                const float bm = _mm512_reduce_max_ps(sv);                                     \
+                if (bm > m[g]) { /* a new maximum: rescale what was summed so far */           \
+                    const float corr = exp_neg(m[g] - bm); /* 0 on the first run */          \
+                    const __m512 cv = _mm512_set1_ps(corr);                                    \
+                    for (int j = 0; j < ND; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);     \
+                    l[g] *= corr;                                                              \
+                    m[g] = bm;                                                                 \
+                }                                                                              \
+                const __m512 pv = _mm512_maskz_mov_ps(                                         \
+                    live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m[g]))));                    \
+                l[g] += _mm512_reduce_add_ps(pv);                                              \
+                _mm512_store_ps(p[g], pv);                                                     \
             }                                                                                  \
             for (int t = 0; t < nt; t++) {                                                     \
                 __m512 vv[MAX_D / 16];                                                         \
-                for (int j = 0; j < ND; j++) vv[j] = LOAD16(vb + t * tok_stride + 16 * j);     \
+                VLOAD(ND, vv, vb + t * tok_stride);                                            \
                 for (int g = 0; g < G; g++) {                                                  \
-                    const __m512 p = _mm512_set1_ps(s[g][t]);                                  \
-                    for (int j = 0; j < ND; j++) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]); \
+                    const __m512 pb = _mm512_set1_ps(p[g][t]);                                 \
+                    for (int j = 0; j < ND; j++) acc[g][j] = _mm512_fmadd_ps(pb, vv[j], acc[g][j]); \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        for (int g = 0; g < G; g++) {                                                          \
-            T *o = out + ((long)n * H + h * G + g) * D;                                        \
-            const __m512 inv = _mm512_set1_ps(1.0f / l[g]);                                    \
-            __attribute__((aligned(64))) float tmp[16];                                        \
-            for (int j = 0; j < ND; j++) {                                                     \
-                _mm512_store_ps(tmp, _mm512_mul_ps(acc[g][j], inv));                           \
-                for (int i = 0; i < 16; i++) o[16 * j + i] = NARROW(tmp[i]);                   \
-            }                                                                                  \
-        }                                                                                      \
+        for (int g = 0; g < G; g++)                                                            \
+            STORE_OUT(ND, out + ((long)n * H + h * G + g) * D, acc[g], 1.0f / l[g]);           \
     }
 
-DEFINE_ITEM_AVX512(item_avx512_f32, float, load16_f32, narrow_f32)
-DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, load16_bf16, narrow_bf16)
+DEFINE_ITEM_AVX512(item_avx512_f32, float, __m512, F32_NQ, F32_QLOAD, f32_kdot, f32_vload,
+                   f32_store_out)
+DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, bf16_q_t, BF16_NQ, BF16_QLOAD, bf16_kdot,
+                   bf16_vload, bf16_store_out)
 #define HAVE_AVX512_ITEM 1
 #endif
 
@@ -304,13 +396,10 @@ static int tables_in_range(const int32_t *tables, long table_stride, const int32
           for (long it = item; it < item + chunk && it < (long)nd * Hkv; it++) {                \
             const int n = (int)(it / Hkv), h = (int)(it % Hkv);                                \
             /* constant head sizes get their own fully unrolled copy */                       \
-            if (AVX512_OK && D == 64)                                                          \
-                AVX_ITEM(4, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, \
-                         h, H, Hkv, block_size, scale);                                        \
-            else if (AVX512_OK && D == 128)                                                    \
-                AVX_ITEM(8, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, \
-                         h, H, Hkv, block_size, scale);                                        \
-            else if (D == 64)                                                                  \
+            if (AVX_ITEM(D, H / Hkv, q, q_stride, k_cache, v_cache, tables, table_stride,      \
+                         lens, out, n, h, H, Hkv, block_size, scale))                          \
+                continue;                                                                      \
+            if (D == 64)                                                                       \
                 NAME##_item(64, q, q_stride, k_cache, v_cache, tables, table_stride, lens,     \
                             out, n, h, H, Hkv, block_size, scale);                             \
             else if (D == 128)                                                                 \
@@ -325,13 +414,40 @@ static int tables_in_range(const int32_t *tables, long table_stride, const int32
     }
 
 #ifdef HAVE_AVX512_ITEM
-#define AVX512_OK 1
-#define ITEM_F32 item_avx512_f32
-#define ITEM_BF16 item_avx512_bf16
+/* Runs the AVX-512 item with D and G as compile-time constants (one unrolled copy per
+ * pair, registers for queries and accumulators); returns 0 where no copy exists, and the
+ * caller takes the portable path. */
+#define ITEM_CASE(ITEM, ND, G_)                                                                \
+    case G_:                                                                                   \
+        ITEM(ND, G_, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h, H,  \
+             Hkv, block_size, scale);                                                          \
+        return 1;
+#define ITEM_SWITCH(ITEM, ND)                                                                  \
+    switch (G) {                                                                               \
+        ITEM_CASE(ITEM, ND, 1) ITEM_CASE(ITEM, ND, 2) ITEM_CASE(ITEM, ND, 3)                   \
+        ITEM_CASE(ITEM, ND, 4) ITEM_CASE(ITEM, ND, 5) ITEM_CASE(ITEM, ND, 6)                   \
+        ITEM_CASE(ITEM, ND, 7) ITEM_CASE(ITEM, ND, 8)                                          \
+    default:                                                                                   \
+        ITEM(ND, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h, H,   \
+             Hkv, block_size, scale);                                                          \
+        return 1;                                                                              \
+    }
+#define DEFINE_AVX_DISPATCH(NAME, T, ITEM)                                                     \
+    static int NAME(int D, int G, const T *q, long q_stride, const T *k_cache,                 \
+                    const T *v_cache, const int32_t *tables, long table_stride,                \
+                    const int32_t *lens, T *out, int n, int h, int H, int Hkv, int block_size, \
+                    float scale) {                                                             \
+        if (D == 64) { ITEM_SWITCH(ITEM, 4) }                                                  \
+        if (D == 128) { ITEM_SWITCH(ITEM, 8) }                                                 \
+        return 0;                                                                              \
+    }
+DEFINE_AVX_DISPATCH(avx_item_f32, float, item_avx512_f32)
+DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, item_avx512_bf16)
+#define ITEM_F32 avx_item_f32
+#define ITEM_BF16 avx_item_bf16
 #else
-#define AVX512_OK 0
-#define ITEM_F32 paged_decode_attention_f32_item
-#define ITEM_BF16 paged_decode_attention_bf16_item
+#define ITEM_F32(...) 0
+#define ITEM_BF16(...) 0
 #endif
 
 DEFINE_DECODE(paged_decode_attention_f32, float, widen_f32, narrow_f32, ITEM_F32)
@@ -373,4 +489,178 @@ int gather_blocks(const char *cache, long row_bytes, const int32_t *blocks, long
         memcpy(out + i * row_bytes, cache + (long)blocks[i] * row_bytes, (size_t)row_bytes);
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------
+ * Prefill attention for bf16 on CPUs with AVX512-BF16: one chunk of q_len queries at
+ * absolute positions k_len - q_len .. k_len - 1 over all k_len keys of its sequence, read
+ * from the paged cache (the chunk's own K/V are already written there), causal.
+ *
+ * Phase 1 repacks each KV head's keys in runs of 16 so that VDPBF16PS does the dot
+ * products with no horizontal sums: K as [D/2 pairs][16 keys] of 32-bit (two adjacent
+ * dims of one key), V as [8 key pairs][D] of 32-bit (one dim of two adjacent keys).
+ * Phase 2: work items of R query rows of one query head; per run of 16 keys, R rows of
+ * scores (broadcast query pair x packed keys), an online-softmax update in float32, the
+ * probabilities rounded to bf16 (as SDPA's CPU kernel does for bf16 before its second
+ * matmul) and multiplied into the R output rows (broadcast probability pair x packed V).
+ * The reference is SDPA with a causal mask (sarazmq.kernels.torch_attention).
+ * ------------------------------------------------------------------------------------ */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_PREFILL_BF16 1
+
+/* Runs of 16 keys: K packed [D/2][16] and V packed [8][D], both 32-bit words. */
+static void pack_kv_run(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+                        int k_len, int run, int h, int Hkv, int D, int block_size,
+                        uint32_t *kp, uint32_t *vp) {
+    const long tok_stride = (long)Hkv * D, block_elems = (long)block_size * tok_stride;
+    const uint16_t *krow[16], *vrow[16];
+    for (int t = 0; t < 16; t++) {
+        const int j = run * 16 + t;
+        if (j < k_len) {
+            const long base = (long)table[j / block_size] * block_elems +
+                              (long)(j % block_size) * tok_stride + (long)h * D;
+            krow[t] = k_cache + base;
+            vrow[t] = v_cache + base;
+        } else {
+            krow[t] = vrow[t] = NULL; /* past the sequence: zeros (masked anyway) */
+        }
+    }
+    for (int p = 0; p < D / 2; p++)
+        for (int t = 0; t < 16; t++) {
+            uint32_t w = 0;
+            if (krow[t]) memcpy(&w, krow[t] + 2 * p, sizeof w);
+            kp[p * 16 + t] = w;
+        }
+    for (int kp2 = 0; kp2 < 8; kp2++) {
+        const uint16_t *a = vrow[2 * kp2], *b = vrow[2 * kp2 + 1];
+        for (int d = 0; d < D; d++)
+            vp[kp2 * D + d] = (uint32_t)(a ? a[d] : 0) | ((uint32_t)(b ? b[d] : 0) << 16);
+    }
+}
+
+/* R query rows (consecutive positions of query head hq) against runs [0, last_run]. */
+static inline __attribute__((always_inline)) void prefill_rows(
+    const int ND, const int R, const uint16_t *q, long q_stride, const uint32_t *kp,
+    const uint32_t *vp, int q0, int nr, int ctx, int hq, int D, float scale, uint16_t *out,
+    long out_stride) {
+    const int DP = ND * 8; /* dim pairs */
+    __m512 o[4][8];
+    float m[4], l[4];
+    const uint32_t *qw[4];
+    for (int r = 0; r < R; r++) {
+        const int rr = r < nr ? r : nr - 1; /* rows past the chunk repeat the last one */
+        qw[r] = (const uint32_t *)(q + (long)(q0 + rr) * q_stride + (long)hq * D);
+        for (int j = 0; j < ND; j++) o[r][j] = _mm512_setzero_ps();
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int last_key = ctx + q0 + nr - 1; /* the last row's own position */
+    const int runs = last_key / 16 + 1;
+    const __m512 sc = _mm512_set1_ps(scale);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int run = 0; run < runs; run++) {
+        const uint32_t *kr = kp + (long)run * DP * 16;
+        const uint32_t *vr = vp + (long)run * 8 * D;
+        __m512 s0[4], s1[4];
+        for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_ps();
+        for (int p = 0; p < DP; p += 2) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr + p * 16);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr + (p + 1) * 16);
+            for (int r = 0; r < R; r++) {
+                s0[r] = _mm512_dpbf16_ps(s0[r], (__m512bh)_mm512_set1_epi32((int)qw[r][p]), k0);
+                s1[r] = _mm512_dpbf16_ps(s1[r], (__m512bh)_mm512_set1_epi32((int)qw[r][p + 1]),
+                                         k1);
+            }
+        }
+        __attribute__((aligned(64))) uint16_t pb[4][16];
+        for (int r = 0; r < R; r++) {
+            __m512 s = _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), sc);
+            /* causal: key run * 16 + t is visible to the row at position ctx + q0 + r */
+            const int limit = ctx + q0 + (r < nr ? r : nr - 1) - run * 16; /* last lane */
+            const __mmask16 live =
+                _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(limit < 15 ? limit : 15));
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
+            const float bm = _mm512_reduce_max_ps(s);
+            if (bm > m[r]) {
+                const float corr = exp_neg(m[r] - bm); /* 0 on the first run */
+                const __m512 cv = _mm512_set1_ps(corr);
+                for (int j = 0; j < ND; j++) o[r][j] = _mm512_mul_ps(o[r][j], cv);
+                l[r] *= corr;
+                m[r] = bm;
+            }
+            const __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m[r]))));
+            l[r] += _mm512_reduce_add_ps(pv);
+            _mm256_store_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(pv));
+        }
+        for (int kk = 0; kk < 8; kk++) {
+            __m512bh vv[8];
+            for (int j = 0; j < ND; j++)
+                vv[j] = (__m512bh)_mm512_loadu_si512(vr + kk * D + 16 * j);
+            for (int r = 0; r < R; r++) {
+                uint32_t w;
+                memcpy(&w, &pb[r][2 * kk], sizeof w);
+                const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
+                for (int j = 0; j < ND; j++) o[r][j] = _mm512_dpbf16_ps(o[r][j], pw, vv[j]);
+            }
+        }
+    }
+    for (int r = 0; r < nr && r < R; r++) {
+        uint16_t *orow = out + (long)(q0 + r) * out_stride + (long)hq * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int j = 0; j < ND; j++)
+            _mm256_storeu_si256((__m256i *)(orow + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][j], inv)));
+    }
+}
+#endif
+
+/* Returns 0; -1 when this build or these sizes have no native prefill (the caller falls
+ * back); -2, touching nothing, when a block id would reach outside the cache.
+ * q: [q_len, H, D] with token stride q_stride; out: [q_len, H, D] with token stride
+ * out_stride; table: the sequence's block ids; scratch: 2 * Hkv * ceil(k_len / 16) * 16 * D
+ * bf16 elements. */
+int prefill_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int32_t *table, int q_len, int k_len,
+                           int H, int Hkv, int D, int block_size, float scale, uint16_t *out,
+                           long out_stride, long num_blocks, uint16_t *scratch) {
+#ifdef HAVE_PREFILL_BF16
+    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || q_len < 1 || k_len < q_len ||
+        block_size < 1)
+        return -1;
+    const int nblk = (k_len + block_size - 1) / block_size;
+    for (int b = 0; b < nblk; b++)
+        if (table[b] < 0 || table[b] >= num_blocks) return -2;
+    const int G = H / Hkv, runs = (k_len + 15) / 16, ctx = k_len - q_len;
+    const long run_words = 16L * D / 2; /* 32-bit words per packed run (K or V) */
+    uint32_t *kp = (uint32_t *)scratch;
+    uint32_t *vp = kp + (long)Hkv * runs * run_words;
+#pragma omp parallel for schedule(static)
+    for (long it = 0; it < (long)Hkv * runs; it++) {
+        const int h = (int)(it / runs), run = (int)(it % runs);
+        pack_kv_run(k_cache, v_cache, table, k_len, run, h, Hkv, D, block_size,
+                    kp + it * run_words, vp + it * run_words);
+    }
+    const int R = D == 64 ? 4 : 2; /* rows per item: what the registers hold */
+    const int groups = (q_len + R - 1) / R;
+    /* latest rows first: they have the most keys, so the dynamic schedule ends balanced */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (long it = 0; it < (long)H * groups; it++) {
+        const int grp = groups - 1 - (int)(it / H), hq = (int)(it % H), h = hq / G;
+        const int q0 = grp * R, nr = q_len - q0 < R ? q_len - q0 : R;
+        const uint32_t *kh = kp + (long)h * runs * run_words;
+        const uint32_t *vh = vp + (long)h * runs * run_words;
+        if (D == 64)
+            prefill_rows(4, 4, q, q_stride, kh, vh, q0, nr, ctx, hq, 64, scale, out,
+                         out_stride);
+        else
+            prefill_rows(8, 2, q, q_stride, kh, vh, q0, nr, ctx, hq, 128, scale, out,
+                         out_stride);
+    }
+    return 0;
+#else
+    (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)table; (void)q_len;
+    (void)k_len; (void)H; (void)Hkv; (void)D; (void)block_size; (void)scale; (void)out;
+    (void)out_stride; (void)num_blocks; (void)scratch;
+    return -1;
+#endif
 }
