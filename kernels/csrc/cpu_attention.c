@@ -538,61 +538,71 @@ static void pack_kv_run(const uint16_t *k_cache, const uint16_t *v_cache, const 
     }
 }
 
-/* R query rows (consecutive positions of query head hq) against runs [0, last_run]. */
+/* R query rows (consecutive positions of query head hq) against the runs of keys up to
+ * the last row's position, two runs (32 keys) per step: the softmax bookkeeping per row
+ * and the query broadcasts are shared by twice the keys. */
 static inline __attribute__((always_inline)) void prefill_rows(
     const int ND, const int R, const uint16_t *q, long q_stride, const uint32_t *kp,
     const uint32_t *vp, int q0, int nr, int ctx, int hq, int D, float scale, uint16_t *out,
     long out_stride) {
     const int DP = ND * 8; /* dim pairs */
-    __m512 o[4][8];
-    float m[4], l[4];
+    __m512 o[4][8], lsum[4];
+    float m[4];
     const uint32_t *qw[4];
     for (int r = 0; r < R; r++) {
         const int rr = r < nr ? r : nr - 1; /* rows past the chunk repeat the last one */
         qw[r] = (const uint32_t *)(q + (long)(q0 + rr) * q_stride + (long)hq * D);
         for (int j = 0; j < ND; j++) o[r][j] = _mm512_setzero_ps();
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        lsum[r] = _mm512_setzero_ps(); /* per-lane partial sums of the softmax denominator */
     }
     const int last_key = ctx + q0 + nr - 1; /* the last row's own position */
     const int runs = last_key / 16 + 1;
     const __m512 sc = _mm512_set1_ps(scale);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int run = 0; run < runs; run++) {
-        const uint32_t *kr = kp + (long)run * DP * 16;
+    for (int run = 0; run < runs; run += 2) {
+        const int two = run + 1 < runs; /* a second run in this step */
+        const uint32_t *kr0 = kp + (long)run * DP * 16, *kr1 = two ? kr0 + DP * 16 : kr0;
         const uint32_t *vr = vp + (long)run * 8 * D;
         __m512 s0[4], s1[4];
         for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_ps();
-        for (int p = 0; p < DP; p += 2) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr + p * 16);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr + (p + 1) * 16);
+        for (int p = 0; p < DP; p++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr0 + p * 16);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr1 + p * 16);
             for (int r = 0; r < R; r++) {
-                s0[r] = _mm512_dpbf16_ps(s0[r], (__m512bh)_mm512_set1_epi32((int)qw[r][p]), k0);
-                s1[r] = _mm512_dpbf16_ps(s1[r], (__m512bh)_mm512_set1_epi32((int)qw[r][p + 1]),
-                                         k1);
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qw[r][p]);
+                s0[r] = _mm512_dpbf16_ps(s0[r], qb, k0);
+                s1[r] = _mm512_dpbf16_ps(s1[r], qb, k1);
             }
         }
-        __attribute__((aligned(64))) uint16_t pb[4][16];
+        __attribute__((aligned(64))) uint16_t pb[4][32];
         for (int r = 0; r < R; r++) {
-            __m512 s = _mm512_mul_ps(_mm512_add_ps(s0[r], s1[r]), sc);
             /* causal: key run * 16 + t is visible to the row at position ctx + q0 + r */
             const int limit = ctx + q0 + (r < nr ? r : nr - 1) - run * 16; /* last lane */
-            const __mmask16 live =
+            const __mmask16 live0 =
                 _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(limit < 15 ? limit : 15));
-            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
-            const float bm = _mm512_reduce_max_ps(s);
+            const __mmask16 live1 =
+                two ? _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(limit - 16 < 15 ? limit - 16 : 15))
+                    : 0;
+            const __m512 x0 = _mm512_mask_mov_ps(neg_inf, live0, _mm512_mul_ps(s0[r], sc));
+            const __m512 x1 = _mm512_mask_mov_ps(neg_inf, live1, _mm512_mul_ps(s1[r], sc));
+            const float bm = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
             if (bm > m[r]) {
-                const float corr = exp_neg(m[r] - bm); /* 0 on the first run */
+                const float corr = exp_neg(m[r] - bm); /* 0 on the first step */
                 const __m512 cv = _mm512_set1_ps(corr);
                 for (int j = 0; j < ND; j++) o[r][j] = _mm512_mul_ps(o[r][j], cv);
-                l[r] *= corr;
+                lsum[r] = _mm512_mul_ps(lsum[r], cv);
                 m[r] = bm;
             }
-            const __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m[r]))));
-            l[r] += _mm512_reduce_add_ps(pv);
-            _mm256_store_si256((__m256i *)pb[r], (__m256i)_mm512_cvtneps_pbh(pv));
+            const __m512 mv = _mm512_set1_ps(m[r]);
+            const __m512 p0 = _mm512_maskz_mov_ps(live0, exp512(_mm512_sub_ps(x0, mv)));
+            const __m512 p1 = _mm512_maskz_mov_ps(live1, exp512(_mm512_sub_ps(x1, mv)));
+            lsum[r] = _mm512_add_ps(lsum[r], _mm512_add_ps(p0, p1));
+            _mm512_store_si512((__m512i *)pb[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
-        for (int kk = 0; kk < 8; kk++) {
+        const int pairs = two ? 16 : 8;
+        for (int kk = 0; kk < pairs; kk++) {
             __m512bh vv[8];
             for (int j = 0; j < ND; j++)
                 vv[j] = (__m512bh)_mm512_loadu_si512(vr + kk * D + 16 * j);
@@ -606,7 +616,7 @@ static inline __attribute__((always_inline)) void prefill_rows(
     }
     for (int r = 0; r < nr && r < R; r++) {
         uint16_t *orow = out + (long)(q0 + r) * out_stride + (long)hq * D;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[r]));
         for (int j = 0; j < ND; j++)
             _mm256_storeu_si256((__m256i *)(orow + 16 * j),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][j], inv)));
