@@ -6,11 +6,11 @@ one, each op falling back to the reference where the kernel does not apply (devi
 dtype, strides). Same numerics as the reference up to float32 summation order in the
 RMSNorm reduction. SiLU-and-multiply stays on torch (faster than a C version).
 
-Matmuls (`HotOps.linear`) of bf16 decode steps with at most `GEMV_MAX_ROWS` rows go to a
-C matrix-vector kernel that streams the weights at ~1.4x oneDNN's rate (measured on the
-model's 121 weight matrices: 9.3 against 12.9 ms a step at one row, 9.5 against 13.9 at
-two; from four rows on oneDNN's blocked matmul is faster and keeps them). Float32 sums in
-another order than oneDNN's, so bf16 results may differ in the last bit.
+Matmuls (`HotOps.linear`) of decode steps with at most `GEMV_MAX_ROWS` rows go to a C
+matrix-vector kernel that streams the weights near the machine's read bandwidth: on the
+default model's 121 weight matrices at one row, bf16 9.3 ms a step against oneDNN's 12.9,
+float32 17.7 against MKL's 44; past those rows the library matmuls keep them. Float32
+sums run in another order than the library's, so results may differ in the last bit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ _SIGNATURES = {
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ROPE_MAX_D = 512
-GEMV_MAX_ROWS = 2  # the C kernel takes up to 8; past 2 rows oneDNN is as fast or faster
+# rows up to which the C kernel beats the library matmul (it takes up to 8): measured over
+# the default model's matmuls, bf16 1.3-1.4x oneDNN at 1-3 rows (even at 4-5, slower from
+# 6); float32 1.7-2.5x oneDNN and 2.5-5x MKL at 1-8 rows (even with MKL at 16)
+GEMV_MAX_ROWS = {torch.bfloat16: 3, torch.float32: 8}
 _GEMV_ARGTYPES = [_P, _L, _P, _P, _L, _I, _I, _I]
 
 
@@ -79,10 +82,11 @@ def _native_functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | Non
     if lib is None:
         return None
     fns = {}
-    gemv = lib.gemv_bf16
-    gemv.argtypes = _GEMV_ARGTYPES
-    gemv.restype = _I
-    fns[("gemv", torch.bfloat16)] = gemv
+    for dtype, suffix in _SUFFIX.items():
+        gemv = getattr(lib, f"gemv_{suffix}")
+        gemv.argtypes = _GEMV_ARGTYPES
+        gemv.restype = _I
+        fns[("gemv", dtype)] = gemv
     for op, argtypes in _SIGNATURES.items():
         for dtype, suffix in _SUFFIX.items():
             fn = getattr(lib, f"{op}_{suffix}")
@@ -153,7 +157,7 @@ class NativeCpuOps(HotOps):
             fn is None
             or bias is not None
             or not _rows_ok(x)
-            or not 1 <= x.shape[0] <= GEMV_MAX_ROWS
+            or not 1 <= x.shape[0] <= GEMV_MAX_ROWS[x.dtype]
             or weight.dtype != x.dtype
             or weight.dim() != 2
             or not weight.is_contiguous()

@@ -181,15 +181,18 @@ def apply_rope(
 
 
 def can_prepack_linear(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether `prepack_linear` applies: bf16 on a CPU with oneDNN (mkldnn).
+    """Whether `prepack_linear` applies: bf16 or float32 on a CPU with oneDNN (mkldnn).
 
     For bf16 on CPU, `F.linear` goes through oneDNN and reorders the weight into its
     blocked layout on every call; prepacking once saves that (1.2-2x per matmul, more for
-    small batches) with bit-identical results. float32 uses MKL, which gains nothing.
+    small batches) with bit-identical results. float32 `F.linear` goes to MKL, which on
+    the project's AMD CPUs runs at 6-170 GFLOP/s where oneDNN's packed matmul reaches
+    11-214 (measured over the default model's matmuls, 1 to 256 rows: 1.25-1.9x faster);
+    the float32 sums then run in another order (differences ~1e-6 relative).
     """
     return (
         torch.device(device).type == "cpu"
-        and dtype == torch.bfloat16
+        and dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")

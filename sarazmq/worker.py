@@ -38,7 +38,7 @@ def build_model_runner(
         tp_size=config.tensor_parallel_size,
         tp_group=tp_group,
     )
-    # bf16 on CPU: oneDNN-packed matmul weights (bit-identical results, faster matmuls)
+    # on CPU: oneDNN-packed matmul weights (faster matmuls; see can_prepack_linear)
     model.prepack_linear_weights()
     kv_caches = allocate_kv_cache(
         model_config,

@@ -287,24 +287,28 @@ def test_native_ops_fall_back_where_they_do_not_apply() -> None:
     torch.testing.assert_close(native.apply_rope_(qk.clone(), cos, sin), qk)
 
 
-# the model's shapes (hidden 576 -> qkv 960, MLP 1536, vocab rows), a row count below,
-# at and past the kernel's limit, widths off the 16-row tile, inputs with a row stride
-@pytest.mark.parametrize("rows", [1, 2, 3])
+# the model's shapes (hidden 576 -> qkv 960, MLP 1536, vocab rows), row counts below, at
+# and past each dtype's limit, widths off the 16-row tile, inputs with a row stride
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9])
 @pytest.mark.parametrize("n_k", [(960, 576), (576, 1536), (49, 64), (16, 32)])
-def test_native_bf16_linear_matches_torch(rows: int, n_k: tuple[int, int]) -> None:
+def test_native_linear_matches_torch(dtype: torch.dtype, rows: int, n_k: tuple[int, int]) -> None:
     ref_ops, native = _ops()
     n, k = n_k
     g = torch.Generator().manual_seed(n + k + rows)
-    bf = torch.bfloat16
-    w = (torch.randn(n, k, generator=g) * 0.05).to(bf)
-    x = torch.randn(rows, 2 * k, generator=g).to(bf)[:, :k]  # row stride 2k
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    x = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, :k]  # row stride 2k
     out = native.linear(x, w)
     ref = torch.nn.functional.linear(x, w)
-    assert out.shape == ref.shape and out.dtype == bf
-    # float32 sums in another order, then one bf16 rounding: at most a unit in the last place
-    exact = x.float() @ w.float().T
-    torch.testing.assert_close(out.float(), exact, atol=1e-4, rtol=2**-7)
-    torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=2**-7)
+    assert out.shape == ref.shape and out.dtype == dtype
+    exact = x.double() @ w.double().T
+    if dtype == torch.bfloat16:
+        # float32 sums in another order, then one bf16 rounding: a unit in the last place
+        torch.testing.assert_close(out.double(), exact, atol=1e-4, rtol=2**-7)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=2**-7)
+    else:
+        torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_native_linear_falls_back_where_it_does_not_apply() -> None:
@@ -316,8 +320,15 @@ def test_native_linear_falls_back_where_it_does_not_apply() -> None:
     b = torch.randn(40).to(bf)
     w64, x64 = torch.randn(40, 64).to(bf), torch.randn(1, 64).to(bf)
     torch.testing.assert_close(native.linear(x64, w64, b), torch.nn.functional.linear(x64, w64, b))
-    xf, wf = torch.randn(2, 64), torch.randn(8, 64)  # float32: torch
-    assert torch.equal(native.linear(xf, wf), torch.nn.functional.linear(xf, wf))
+    # float32 past its row limit, or with 40 inputs (not a multiple of 16): torch itself
+    for xf, wf in (
+        (torch.randn(9, 64), torch.randn(8, 64)),
+        (torch.randn(1, 40), torch.randn(8, 40)),
+    ):
+        assert torch.equal(native.linear(xf, wf), torch.nn.functional.linear(xf, wf))
+    # float16: not covered
+    xh, wh = torch.randn(1, 64).half(), torch.randn(8, 64).half()
+    assert torch.equal(native.linear(xh, wh), torch.nn.functional.linear(xh, wh))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

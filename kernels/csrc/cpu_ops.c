@@ -113,15 +113,16 @@ void rope_bf16(uint16_t *x, long x_stride, const uint16_t *cos, const uint16_t *
     }
 }
 
-/* Matrix-vector products for bf16 decode steps: y[m][n] = sum_k x[m][k] w[n][k] for a few
- * rows m, float32 accumulation, bf16 out (round to nearest even). oneDNN's matmul reads
- * the weights at about half the machine's bandwidth at one row; here the rows of w are
- * read once, front to back (the hardware prefetcher streams them), 16 output rows at a
- * time: each row's dot product in VDPBF16PS partials, the 16 partial vectors summed
- * across lanes together (hsum16).
+/* Matrix-vector products for decode steps: y[m][n] = sum_k x[m][k] w[n][k] for a few rows
+ * m, float32 accumulation (bf16: VDPBF16PS pairs, one rounding to bf16 at the end, to
+ * nearest even). At one or two rows oneDNN (bf16) and MKL (float32) read the weights at a
+ * fraction of the machine's bandwidth; here the rows of w are read once, front to back
+ * (the hardware prefetcher streams them), 16 output rows at a time: each row's dot
+ * product in vector partials, the 16 partial vectors summed across lanes together
+ * (hsum16).
  * x: [M, K] row stride x_stride; w: [N, K] contiguous; y: [M, N] row stride y_stride.
  * Returns 0, or -1 (nothing written) when this build or these sizes are not covered. */
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #define GEMV_MAX_ROWS 8
 
@@ -142,63 +143,96 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* 16 output rows n0 .. n0 + nn - 1 for all M input rows; each 32-element piece of a weight
- * row is loaded once and used for every input row. M is a compile-time constant at the
- * call sites (always_inline), so the M accumulators stay in registers. */
-static inline __attribute__((always_inline)) void gemv_tile(const int M, const uint16_t *x,
-                                                            long x_stride, const uint16_t *w,
-                                                            uint16_t *y, long y_stride, int n0,
-                                                            int nn, int K) {
-    const int KV = K / 32;
-    __m512 acc[GEMV_MAX_ROWS][16];
-    for (int i = 0; i < 16; i++) {
-        /* one row: M accumulators, plus a second set at M = 1 to halve the dependency chain */
-        __m512 a[GEMV_MAX_ROWS], b = _mm512_setzero_ps();
-        for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();
-        if (i < nn) {
-            const uint16_t *wr = w + (long)(n0 + i) * K;
-            int kv = 0;
-            if (M == 1)
-                for (; kv + 1 < KV; kv += 2) {
-                    a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_loadu_si512(x + 32 * kv),
-                                            (__m512bh)_mm512_loadu_si512(wr + 32 * kv));
-                    b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(x + 32 * kv + 32),
-                                         (__m512bh)_mm512_loadu_si512(wr + 32 * kv + 32));
-                }
-            for (; kv < KV; kv++) {
-                const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + 32 * kv);
-                for (int m = 0; m < M; m++)
-                    a[m] = _mm512_dpbf16_ps(
-                        a[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + 32 * kv), wv);
-            }
-        }
-        acc[0][i] = _mm512_add_ps(a[0], b);
-        for (int m = 1; m < M; m++) acc[m][i] = a[m];
-    }
-    for (int m = 0; m < M; m++) {
-        const __m256i out = (__m256i)_mm512_cvtneps_pbh(hsum16(acc[m]));
-        _mm256_mask_storeu_epi16(y + (long)m * y_stride + n0, (__mmask16)((1u << nn) - 1u), out);
-    }
+/* acc += x . w over one vector of VE elements, per element type */
+static inline __attribute__((always_inline)) __m512 f32_fma(__m512 acc, const float *x,
+                                                            const float *w) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
 }
+static inline __attribute__((always_inline)) void f32_store16(float *y, __m512 v, int nn) {
+    _mm512_mask_storeu_ps(y, (__mmask16)((1u << nn) - 1u), v);
+}
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) __m512 bf16_dp(__m512 acc, const uint16_t *x,
+                                                            const uint16_t *w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x),
+                            (__m512bh)_mm512_loadu_si512(w));
+}
+static inline __attribute__((always_inline)) void bf16_store16(uint16_t *y, __m512 v, int nn) {
+    _mm256_mask_storeu_epi16(y, (__mmask16)((1u << nn) - 1u), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
 
-int gemv_bf16(const uint16_t *x, long x_stride, const uint16_t *w, uint16_t *y, long y_stride,
-              int M, int N, int K) {
-    if (M < 1 || M > GEMV_MAX_ROWS || N < 1 || K < 32 || K % 32 != 0) return -1;
-    const long tiles = (N + 15) / 16;
-#pragma omp parallel for schedule(static)
-    for (long tile = 0; tile < tiles; tile++) {
-        const int n0 = (int)tile * 16, nn = N - n0 < 16 ? N - n0 : 16;
-        switch (M) {
-#define GEMV_CASE(M_) \
-    case M_: gemv_tile(M_, x, x_stride, w, y, y_stride, n0, nn, K); break;
-            GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4)
-            GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8)
-#undef GEMV_CASE
-        }
+/* NAME: y for all M rows of x, in tiles of 16 output rows; each VE-element piece of a
+ * weight row is loaded once for every input row. M is a compile-time constant per case
+ * (always_inline), so the M accumulators stay in registers; at M = 1 a second chain
+ * halves the dependency latency. */
+#define DEFINE_GEMV(NAME, T, VE, DOT, STORE16)                                                 \
+    static inline __attribute__((always_inline)) void NAME##_tile(                             \
+        const int M, const T *x, long x_stride, const T *w, T *y, long y_stride, int n0,       \
+        int nn, int K) {                                                                       \
+        const int KV = K / VE;                                                                 \
+        __m512 acc[GEMV_MAX_ROWS][16];                                                         \
+        for (int i = 0; i < 16; i++) {                                                         \
+            __m512 a[GEMV_MAX_ROWS], b = _mm512_setzero_ps();                                  \
+            a[0] = _mm512_setzero_ps();                                                        \
+            for (int m = 1; m < M; m++) a[m] = _mm512_setzero_ps();                            \
+            if (i < nn) {                                                                      \
+                const T *wr = w + (long)(n0 + i) * K;                                          \
+                int kv = 0;                                                                    \
+                if (M == 1)                                                                    \
+                    for (; kv + 1 < KV; kv += 2) {                                             \
+                        a[0] = DOT(a[0], x + VE * kv, wr + VE * kv);                           \
+                        b = DOT(b, x + VE * kv + VE, wr + VE * kv + VE);                       \
+                    }                                                                          \
+                for (; kv < KV; kv++)                                                          \
+                    for (int m = 0; m < M; m++)                                                \
+                        a[m] = DOT(a[m], x + m * x_stride + VE * kv, wr + VE * kv);            \
+            }                                                                                  \
+            acc[0][i] = _mm512_add_ps(a[0], b);                                                \
+            for (int m = 1; m < M; m++) acc[m][i] = a[m];                                      \
+        }                                                                                      \
+        for (int m = 0; m < M; m++) STORE16(y + (long)m * y_stride + n0, hsum16(acc[m]), nn);  \
+    }                                                                                          \
+                                                                                               \
+    int NAME(const T *x, long x_stride, const T *w, T *y, long y_stride, int M, int N,         \
+             int K) {                                                                          \
+        if (M < 1 || M > GEMV_MAX_ROWS || N < 1 || K < VE || K % VE != 0) return -1;          \
+        const long tiles = (N + 15) / 16;                                                      \
+        _Pragma("omp parallel for schedule(static)")                                           \
+        for (long tile = 0; tile < tiles; tile++) {                                            \
+            const int n0 = (int)tile * 16, nn = N - n0 < 16 ? N - n0 : 16;                     \
+            switch (M) {                                                                       \
+            case 1: NAME##_tile(1, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            case 2: NAME##_tile(2, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            case 3: NAME##_tile(3, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            case 4: NAME##_tile(4, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            case 5: NAME##_tile(5, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            case 6: NAME##_tile(6, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            case 7: NAME##_tile(7, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            case 8: NAME##_tile(8, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
+            default: NAME##_tile(M, x, x_stride, w, y, y_stride, n0, nn, K); break;            \
+            }                                                                                  \
+        }                                                                                      \
+        return 0;                                                                              \
     }
-    return 0;
+
+DEFINE_GEMV(gemv_f32, float, 16, f32_fma, f32_store16)
+#if defined(__AVX512BF16__)
+DEFINE_GEMV(gemv_bf16, uint16_t, 32, bf16_dp, bf16_store16)
+#define HAVE_GEMV_BF16 1
+#endif
+#define HAVE_GEMV_F32 1
+#endif
+
+/* Builds without the instructions: -1, the caller falls back to torch. */
+#ifndef HAVE_GEMV_F32
+int gemv_f32(const float *x, long x_stride, const float *w, float *y, long y_stride, int M,
+             int N, int K) {
+    (void)x; (void)x_stride; (void)w; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    return -1;
 }
-#else
+#endif
+#ifndef HAVE_GEMV_BF16
 int gemv_bf16(const uint16_t *x, long x_stride, const uint16_t *w, uint16_t *y, long y_stride,
               int M, int N, int K) {
     (void)x; (void)x_stride; (void)w; (void)y; (void)y_stride; (void)M; (void)N; (void)K;

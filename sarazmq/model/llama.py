@@ -238,8 +238,9 @@ class LlamaForCausalLM(nn.Module):
         return out.copy_(logits)
 
     def prepack_linear_weights(self) -> bool:
-        """Prepacks every matmul weight for oneDNN when that pays (bf16 on CPU, see
-        `sarazmq.kernels.ops.can_prepack_linear`); same results, faster matmuls.
+        """Prepacks every matmul weight for oneDNN when that pays (bf16 and float32 on
+        CPU, see `sarazmq.kernels.ops.can_prepack_linear`); faster matmuls, bit-identical
+        in bf16, float32 sums in another order.
 
         Call after loading the weights (a later load would leave stale packs: loading
         drops them). Returns whether weights were packed.
