@@ -9,8 +9,8 @@ RMSNorm reduction. SiLU-and-multiply stays on torch (faster than a C version).
 Matmuls (`HotOps.linear`) of decode steps with at most `GEMV_MAX_ROWS` rows go to a C
 matrix-vector kernel that streams the weights near the machine's read bandwidth: on the
 default model's 121 weight matrices at one row, bf16 9.3 ms a step against oneDNN's 12.9,
-float32 17.7 against MKL's 44; past those rows the library matmuls keep them. Float32
-sums run in another order than the library's, so results may differ in the last bit.
+float32 13.5 against oneDNN's 20.9 (and MKL's 44); past those rows oneDNN keeps them.
+Float32 sums run in another order than the library's: results may differ in the last bit.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ _SIGNATURES = {
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ROPE_MAX_D = 512
-# rows up to which the C kernel beats the library matmul (it takes up to 8): measured over
-# the default model's matmuls, bf16 1.3-1.4x oneDNN at 1-3 rows (even at 4-5, slower from
-# 6); float32 1.7-2.5x oneDNN and 2.5-5x MKL at 1-8 rows (even with MKL at 16)
-GEMV_MAX_ROWS = {torch.bfloat16: 3, torch.float32: 8}
+# rows up to which the C kernel beats oneDNN's prepacked matmul (it takes up to 8), measured
+# over the default model's 121 matmuls: bf16 9.3 against 12.9 ms at one row, 9.5 against
+# 13.9 at two, even at three to five, slower from six; float32 13.5 against 20.9 at one
+# and two rows, 16.3 against 17.6 at three, slower from four
+GEMV_MAX_ROWS = {torch.bfloat16: 3, torch.float32: 3}
 _GEMV_ARGTYPES = [_P, _L, _P, _P, _L, _I, _I, _I]
 
 
