@@ -6,7 +6,9 @@ and no per-group SDPA calls. Memory traffic, not math, bounds decode attention, 
 reading the cache once is most of the win. bf16 prefill chunks on CPUs with AVX512-BF16
 also run natively (`prefill_attention`: causal, over the cached context and the chunk in
 one pass, VDPBF16PS dot products; about 2x SDPA's CPU kernel, which computes bf16 in
-float32); float32 chunks keep the SDPA path (context and chunk merged by log-sum-exp).
+float32, on AVX512-BF16 CPUs without AMX). On CPUs with AMX, SDPA's kernel runs its bf16
+matmuls on the AMX tiles, and the backend keeps it (the native kernel was not measured
+there). float32 chunks keep the SDPA path (context and chunk merged by log-sum-exp).
 Falls back to the torch path entirely when the kernels cannot be built (no C compiler)
 or a shape is beyond their limits.
 """
@@ -19,7 +21,7 @@ import torch
 
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
 from .metadata import AttentionMetadata
-from .native import load_library
+from .native import cpu_has_flag, load_library
 from .torch_attention import _DECODE_GROUP_BYTES, TorchPagedAttention
 
 _LIB_NAME = "cpu_attention"
@@ -304,6 +306,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def __init__(self, decode_group_bytes: int = _DECODE_GROUP_BYTES) -> None:
         super().__init__(decode_group_bytes)
+        # bf16 prefill chunks: the native kernel, except where SDPA has AMX (module docstring)
+        self._native_prefill = not cpu_has_flag("amx_bf16")
         # the model takes its fused elementwise ops from here (see LlamaForCausalLM.forward)
         self.ops: HotOps
         try:
@@ -333,7 +337,7 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> bool:
         k_len = meta.k_lens[i]
-        if q.dtype != torch.bfloat16 or _get_kernels() is None:
+        if q.dtype != torch.bfloat16 or not self._native_prefill or _get_kernels() is None:
             return False
         bs = k_cache.shape[1]
         table = meta.block_tables[i, : -(-k_len // bs)]

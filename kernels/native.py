@@ -65,6 +65,11 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
+def cpu_has_flag(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (e.g. "amx_bf16") for this CPU; False elsewhere."""
+    return flag in _cpu_signature().split()
+
+
 def load_library(name: str) -> ctypes.CDLL | None:
     """Builds (once, cached on disk) and loads kernels/csrc/<name>.c; None when unavailable."""
     with _lock:

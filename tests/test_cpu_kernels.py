@@ -183,6 +183,23 @@ def test_cpu_backend_matches_torch_backend_on_hybrid_batches(scenario: int) -> N
     assert torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2)
 
 
+@pytest.mark.parametrize("scenario", range(len(SCENARIOS)))
+@pytest.mark.parametrize("native_prefill", [True, False])
+def test_cpu_backend_in_bf16_close_to_reference(scenario: int, native_prefill: bool) -> None:
+    # bf16 hybrid batches through the backend, with the native prefill kernel and with
+    # SDPA for the chunks (what CPUs with AMX get)
+    seqs = SCENARIOS[scenario]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, 64, 4, seed=scenario)
+    bf = torch.bfloat16
+    backend = CpuPagedAttention()
+    backend._native_prefill = native_prefill
+    kc, vc = k_cache.to(bf), v_cache.to(bf)
+    out = backend.forward(q.to(bf), k.to(bf), v.to(bf), kc, vc, meta, 0.125)
+    kf, vf = [t.to(bf) for t in k_full], [t.to(bf) for t in v_full]
+    ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
 def test_auto_backend_on_cpu_is_native() -> None:
     cpu = torch.device("cpu")
     assert isinstance(select_attention_backend("auto", cpu, 16), CpuPagedAttention)
