@@ -126,6 +126,14 @@ def test_prefill_kernel_bf16_close_to_reference(
     torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
 
 
+@pytest.mark.skipif(not _PREFILL_BF16, reason="CPU without AVX512-BF16: no native prefill")
+def test_prefill_kernel_bf16_long_context() -> None:
+    # a late 512-token chunk of a 2,048-token prompt (the benchmark's shape), 9/3 heads
+    out, ref = _bf16_prefill_case(512, 2048, (9, 3), 64, 16)
+    assert out is not None
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.01, rtol=0.02)
+
+
 def test_prefill_kernel_declines_what_it_cannot_do() -> None:
     q, k, v, k_cache, v_cache, meta, _, _ = _scenario([(4, 9)], 4, 2, 64, 4, seed=3)
     table = meta.block_tables[0]
