@@ -1,4 +1,4 @@
-"""Fused RMSNorm(+residual), RoPE and small-batch bf16 matmuls through kernels/csrc/cpu_ops.c.
+"""Fused RMSNorm(+residual), RoPE and 1-3-row matmuls through kernels/csrc/cpu_ops.c.
 
 `HotOps` is the interface the model calls for its elementwise work; `TORCH_OPS` is the
 plain-PyTorch implementation (sarazmq.kernels.ops, the reference), `NativeCpuOps` the C

@@ -157,29 +157,31 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *p, in
     for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-/* Query rows and key dot products per element type. Q_T is what one query row is kept as
- * (NQ vectors), QLOAD fills it, KDOT returns the 16 partial products of a query row with
- * one key row (to be summed horizontally by hsum16x16). */
-#define F32_NQ(ND) (ND)
-#define F32_QLOAD(qv, qr, ND) \
-    for (int j = 0; j < ND; j++) qv[j] = _mm512_loadu_ps(qr + 16 * j)
-static inline __attribute__((always_inline)) __m512 f32_kdot(const int ND, const __m512 *qv,
-                                                             const float *kr) {
-    __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-    for (int j = 1; j < ND; j++) d = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kr + 16 * j), d);
-    return d;
-}
+/* Query rows and key dot products per element type. Q_T is what one query row is kept as,
+ * QLOAD fills it, KDOT returns the 16 partial products of a query row with one key row (to
+ * be summed horizontally by hsum16x16). The float32 path (and bf16 without VDPBF16PS)
+ * widens to float32 and multiplies 16 elements at a time. */
+#define DEFINE_FMA_KDOT(NAME, T, LOAD16)                                                       \
+    static inline __attribute__((always_inline)) __m512 NAME(const int ND, const __m512 *qv,  \
+                                                             const T *kr) {                    \
+        __m512 d = _mm512_mul_ps(qv[0], LOAD16(kr));                                           \
+        for (int j = 1; j < ND; j++) d = _mm512_fmadd_ps(qv[j], LOAD16(kr + 16 * j), d);       \
+        return d;                                                                              \
+    }
+#define FMA_QLOAD(LOAD16, qv, qr, ND) \
+    for (int j = 0; j < ND; j++) qv[j] = LOAD16(qr + 16 * j)
+#define F32_QLOAD(qv, qr, ND) FMA_QLOAD(load16_f32, qv, qr, ND)
+DEFINE_FMA_KDOT(f32_kdot, float, load16_f32)
 /* V rows: f32 as is */
 static inline __attribute__((always_inline)) void f32_vload(const int ND, __m512 *vv,
                                                             const float *vr) {
-    for (int j = 0; j < ND; j++) vv[j] = _mm512_loadu_ps(vr + 16 * j);
+    for (int j = 0; j < ND; j++) vv[j] = load16_f32(vr + 16 * j);
 }
 
 #if defined(__AVX512BF16__)
 /* bf16 queries stay bf16: VDPBF16PS multiplies adjacent bf16 pairs exactly and adds them in
  * float32, one instruction per 32 key elements (no widening of the keys). */
 typedef __m512bh bf16_q_t;
-#define BF16_NQ(ND) ((ND) / 2)
 #define BF16_QLOAD(qv, qr, ND) \
     for (int j = 0; j < ND / 2; j++) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j)
 static inline __attribute__((always_inline)) __m512 bf16_kdot(const int ND, const bf16_q_t *qv,
@@ -192,15 +194,8 @@ static inline __attribute__((always_inline)) __m512 bf16_kdot(const int ND, cons
 }
 #else
 typedef __m512 bf16_q_t;
-#define BF16_NQ(ND) (ND)
-#define BF16_QLOAD(qv, qr, ND) \
-    for (int j = 0; j < ND; j++) qv[j] = load16_bf16(qr + 16 * j)
-static inline __attribute__((always_inline)) __m512 bf16_kdot(const int ND, const bf16_q_t *qv,
-                                                              const uint16_t *kr) {
-    __m512 d = _mm512_mul_ps(qv[0], load16_bf16(kr));
-    for (int j = 1; j < ND; j++) d = _mm512_fmadd_ps(qv[j], load16_bf16(kr + 16 * j), d);
-    return d;
-}
+#define BF16_QLOAD(qv, qr, ND) FMA_QLOAD(load16_bf16, qv, qr, ND)
+DEFINE_FMA_KDOT(bf16_kdot, uint16_t, load16_bf16)
 #endif
 /* V rows: 32 bf16 at a time widened in place, even elements (shift up) into vector 2c and
  * odd ones (high halves masked) into 2c + 1, so the accumulators hold the head's dims
@@ -243,7 +238,7 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
  * pages) that reads the KV at 25-29 GB/s, against 14.5 for one head per item with the
  * whole item requested up front. ND = D / 16 and G are compile-time constants at the call
  * sites (always_inline). */
-#define DEFINE_ITEM_AVX512(NAME, T, Q_T, NQ, QLOAD, KDOT, VLOAD, STORE_OUT)                     \
+#define DEFINE_ITEM_AVX512(NAME, T, Q_T, QLOAD, KDOT, VLOAD, STORE_OUT)                         \
     static inline __attribute__((always_inline)) void NAME(                                    \
         const int ND, const int G, const T *q, long q_stride, const T *k_cache,                \
         const T *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,       \
@@ -333,9 +328,9 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
             STORE_OUT(ND, out + ((long)n * H + h0 * G + c) * D, acc[c], 1.0f / l[c]);          \
     }
 
-DEFINE_ITEM_AVX512(item_avx512_f32, float, __m512, F32_NQ, F32_QLOAD, f32_kdot, f32_vload,
+DEFINE_ITEM_AVX512(item_avx512_f32, float, __m512, F32_QLOAD, f32_kdot, f32_vload,
                    f32_store_out)
-DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, bf16_q_t, BF16_NQ, BF16_QLOAD, bf16_kdot,
+DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, bf16_q_t, BF16_QLOAD, bf16_kdot,
                    bf16_vload, bf16_store_out)
 #define HAVE_AVX512_ITEM 1
 #endif
