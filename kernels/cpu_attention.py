@@ -16,15 +16,17 @@ or a shape is beyond their limits.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
+from .decode_step import DecodeLayerWeights, FusedDecodeStep
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag, load_library
 from .torch_attention import _DECODE_GROUP_BYTES, TorchPagedAttention
 
-_LIB_NAME = "cpu_attention"
 _c_long, _c_int, _c_float, _c_void_p = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [
     _c_void_p,  # q
@@ -112,7 +114,7 @@ _kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on fi
 
 def _get_kernels() -> _Kernels | None:
     if not _kernels:
-        lib = load_library(_LIB_NAME)
+        lib = load_library()
         _kernels.append(None if lib is None else _Kernels(lib))
     return _kernels[0]
 
@@ -314,6 +316,27 @@ class CpuPagedAttention(TorchPagedAttention):
             self.ops = NativeCpuOps()
         except ValueError:
             self.ops = TORCH_OPS
+
+    def fused_decode_step(
+        self,
+        layers: Sequence[Sequence[torch.Tensor]],
+        final_norm: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        **dims: Any,
+    ) -> FusedDecodeStep | None:
+        """A Llama model's whole decode step in one native call (see
+        `sarazmq.kernels.decode_step`), running the kernels this backend and its `ops` run
+        per op; None where it cannot be built (no native kernels, a tensor that does not
+        fit). layers: per layer (input norm, qkv, o, post-attention norm, gate_up, down)
+        weights; dims: num_heads, num_kv_heads, head_dim, eps, scale."""
+        if not isinstance(self.ops, NativeCpuOps):
+            return None
+        try:
+            return FusedDecodeStep(
+                [DecodeLayerWeights(*w) for w in layers], final_norm, kv_caches, **dims
+            )
+        except ValueError:
+            return None
 
     def _write_kv(
         self,

@@ -1,10 +1,12 @@
-"""Fused RMSNorm(+residual), RoPE and 1-3-row matmuls through kernels/csrc/cpu_ops.c.
+"""Fused RMSNorm(+residual), RoPE, SiLU-and-multiply and 1-3-row matmuls in C
+(kernels/csrc/cpu_ops.c).
 
 `HotOps` is the interface the model calls for its elementwise work; `TORCH_OPS` is the
 plain-PyTorch implementation (sarazmq.kernels.ops, the reference), `NativeCpuOps` the C
 one, each op falling back to the reference where the kernel does not apply (device,
 dtype, strides). Same numerics as the reference up to float32 summation order in the
-RMSNorm reduction. SiLU-and-multiply stays on torch (faster than a C version).
+RMSNorm reduction and SiLU's exp (within ~2 ulp of torch's: float32 results can differ in
+the last bit, bf16 ones practically never).
 
 Matmuls (`HotOps.linear`) of decode steps with at most `GEMV_MAX_ROWS` rows go to a C
 matrix-vector kernel that streams the weights near the machine's read bandwidth: on the
@@ -27,6 +29,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_P, _L, _P, _L, _P, _P, _L, _L, _I, _F],
     "rope": [_P, _L, _P, _P, _L, _I, _I],
+    "silu_mul": [_P, _L, _P, _L, _L, _I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ROPE_MAX_D = 512
@@ -79,7 +82,7 @@ TORCH_OPS = HotOps()
 
 
 def _native_functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | None:
-    lib = load_library("cpu_ops")
+    lib = load_library()
     if lib is None:
         return None
     fns = {}
@@ -170,6 +173,15 @@ class NativeCpuOps(HotOps):
         out = torch.empty((rows, n), dtype=x.dtype)
         if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, rows, n, k) != 0:
             return super().linear(x, weight, bias, packed)  # sizes the kernel does not cover
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        fn = self._fns.get(("silu_mul", gate_up.dtype))
+        if fn is None or not _rows_ok(gate_up) or gate_up.shape[1] != 2 * inter:
+            return super().silu_mul(gate_up, inter)
+        rows = gate_up.shape[0]
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter)
         return out
 
     def apply_rope_(

@@ -1,9 +1,10 @@
 """Builds and loads the C kernels under kernels/csrc with the system C compiler (ctypes).
 
-The kernels are plain C (no torch headers): a build takes about a second, at first use,
-into a cache folder keyed by the source, the compiler and the flags, and is reused after.
-Where no compiler works the loader returns None and callers keep the torch path; nothing
-is built at import time.
+The kernels are plain C (no torch headers). Every .c file there is compiled into one
+shared library (the fused decode step calls the others' kernels), at first use, in a few
+seconds, into a cache folder keyed by the sources and headers, the compiler, the flags
+and the CPU, and reused after. Where no compiler works the loader returns None and
+callers keep the torch path; nothing is built at import time.
 
 Build cache: $SARAZMQ_CACHE/native (default ~/.cache/sarazmq/native). Set
 SARAZMQ_NATIVE=0 to never build or load them.
@@ -35,8 +36,9 @@ _FLAGS = (
     "-shared",
     "-fPIC",
 )
+LIBRARY_NAME = "cpu_kernels"
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: list[ctypes.CDLL | None] = []  # [the library or None] once load_library ran
 
 
 def _cache_dir() -> Path:
@@ -70,33 +72,36 @@ def cpu_has_flag(flag: str) -> bool:
     return flag in _cpu_signature().split()
 
 
-def load_library(name: str) -> ctypes.CDLL | None:
-    """Builds (once, cached on disk) and loads kernels/csrc/<name>.c; None when unavailable."""
+def load_library() -> ctypes.CDLL | None:
+    """Builds (once, cached on disk) and loads the kernel library; None when unavailable."""
     with _lock:
-        if name in _loaded:
-            return _loaded[name]
+        if _loaded:
+            return _loaded[0]
         lib = None
         if os.environ.get("SARAZMQ_NATIVE", "1") != "0":
             try:
-                lib = _build_and_load(name)
+                lib = _build_and_load()
             except (OSError, subprocess.SubprocessError) as e:
-                log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
-        _loaded[name] = lib
+                log.warning("native CPU kernels unavailable, using the torch path: %s", e)
+        _loaded.append(lib)
         return lib
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
-    src = _SRC_DIR / f"{name}.c"
+def _build_and_load() -> ctypes.CDLL | None:
+    sources = sorted(_SRC_DIR.glob("*.c"))
     cc = _compiler()
     if cc is None:
-        log.info("no C compiler found; native kernel %s not built", name)
+        log.info("no C compiler found; native CPU kernels not built")
         return None
     key = hashlib.sha256()
-    key.update(src.read_bytes())
+    for path in sorted(_SRC_DIR.iterdir()):
+        if path.suffix in (".c", ".h"):
+            key.update(path.name.encode())
+            key.update(path.read_bytes())
     key.update(" ".join((cc, *_FLAGS)).encode())
     key.update(_cpu_signature().encode())
     out_dir = _cache_dir()
-    target = out_dir / f"{name}-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"{LIBRARY_NAME}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         # build to a temporary name, then rename: concurrent processes never load a
@@ -105,10 +110,10 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         os.close(fd)
         try:
             subprocess.run(
-                [cc, *_FLAGS, "-o", tmp, str(src), "-lm"],
+                [cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"],
                 check=True,
                 capture_output=True,
-                timeout=120,
+                timeout=300,
             )
             os.replace(tmp, target)
         except subprocess.CalledProcessError as e:

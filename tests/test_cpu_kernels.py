@@ -301,6 +301,27 @@ def test_native_rope_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
     assert torch.equal(a[:, view:], qkv[:, view:])  # V untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("inter", [1536, 37])
+def test_native_silu_mul_matches_torch(dtype: torch.dtype, rows: int, inter: int) -> None:
+    ref_ops, native = _ops()
+    g = torch.Generator().manual_seed(rows + inter)
+    wide = (torch.randn(rows, 2 * inter + 8, generator=g) * 6).to(dtype)
+    # saturating and special values: exp overflow (silu -> -0), large positives, zeros
+    wide[0, :6] = torch.tensor([100.0, -100.0, 89.0, -89.0, 0.0, -1e-30])
+    gate_up = wide[:, : 2 * inter]  # a row stride, as a slice of a fused output would be
+    out = native.silu_mul(gate_up, inter)
+    ref = ref_ops.silu_mul(gate_up, inter)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    if dtype == torch.float32:  # torch's exp and ours differ by an ulp or two
+        torch.testing.assert_close(out, ref, atol=1e-30, rtol=3e-7)
+    else:  # rounded to bf16 where torch rounds: the same bits but for a rare exp ulp
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-30, rtol=8e-3)
+        assert (out != ref).float().mean().item() < 1e-3
+    assert torch.equal(out[0, 1].abs(), torch.zeros((), dtype=dtype))
+
+
 def test_native_ops_fall_back_where_they_do_not_apply() -> None:
     ref_ops, native = _ops()
     x = torch.randn(3, 8, dtype=torch.float64)
@@ -405,6 +426,15 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "    kf, vf = [t.to(bf) for t in kf], [t.to(bf) for t in vf]\n"
         "    ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, 0.1)\n"
         "    torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)\n"
+        # the fused decode step: where this build has the dtype's matrix-vector kernel,
+        # bitwise the per-op path; where not (no AVX-512; bf16 without AVX512-BF16) it
+        # declines and the model runs per op
+        "from tests.test_decode_step import compare_with_per_op\n"
+        "used_f32, same = compare_with_per_op(torch.float32, 2)\n"
+        "assert same\n"
+        "used_bf16, same = compare_with_per_op(torch.bfloat16, 2)\n"
+        "assert same\n"
+        "print('fused', used_f32, used_bf16)\n"
     )
     env = dict(os.environ, CC=str(wrapper), SARAZMQ_CACHE=str(tmp_path / "cache"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -412,7 +442,10 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert list((tmp_path / "cache" / "native").glob("cpu_attention-*.so"))
+    assert list((tmp_path / "cache" / "native").glob("cpu_kernels-*.so"))
+    # no AVX-512: no GEMV, so no fused step; AVX-512 without BF16: float32 only
+    expected = "fused False False" if no_flag == "-mno-avx512f" else "fused True False"
+    assert expected in proc.stdout
 
 
 def test_out_of_range_slots_and_blocks_are_errors_not_stray_writes() -> None:

@@ -16,35 +16,13 @@
  * a pair share one pass over that head's keys and values. Math is float32 throughout
  * (bf16 inputs are widened exactly), as SDPA's CPU kernel does.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
+#include "kernels.h"
 
 #define MAX_D 256
 #define MAX_G 16
 #define MAX_ITEM_QHEADS 32 /* query heads of one decode work item (>= MAX_G) */
 #define MAX_BLOCK 128
-
-/* exp for x <= 0 (softmax arguments after max subtraction), ~2 ulp, vectorizable:
- * x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-7 polynomial, 2^n by exponent bits. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f;
-    r = r - n * 1.42860682030941723212e-6f;
-    float p = 1.98412698412698413e-4f;
-    p = p * r + 1.38888888888888889e-3f;
-    p = p * r + 8.33333333333333333e-3f;
-    p = p * r + 4.16666666666666667e-2f;
-    p = p * r + 1.66666666666666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 static inline void widen_f32(const float *src, float *dst, int n) { memcpy(dst, src, n * sizeof(float)); }
 
@@ -56,13 +34,7 @@ static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
 
 static inline float narrow_f32(float x) { return x; }
 
-static inline uint16_t narrow_bf16(float f) {
-    /* round to nearest even, as torch does (inputs are finite) */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+static inline uint16_t narrow_bf16(float f) { return to_bf(f); } /* inputs are finite */
 
 /* Online-softmax update of G query rows with one block of nt keys/values (float32).
  * D is a compile-time constant at every call site (always_inline), so the d loops are
@@ -80,11 +52,11 @@ static inline __attribute__((always_inline)) void attend_block(
         }
         float mx = m[g];
         for (int t = 0; t < nt; t++) mx = s[g][t] > mx ? s[g][t] : mx;
-        const float corr = exp_neg(m[g] - mx); /* 0 on the first block (m = -inf) */
+        const float corr = exp_approx(m[g] - mx); /* 0 on the first block (m = -inf) */
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int t = 0; t < nt; t++) {
-            s[g][t] = exp_neg(s[g][t] - mx);
+            s[g][t] = exp_approx(s[g][t] - mx);
             sum += s[g][t];
         }
         l[g] = l[g] * corr + sum;
@@ -104,52 +76,12 @@ static inline __attribute__((always_inline)) void attend_block(
 #if defined(__AVX512F__)
 /* Hand-vectorized path for AVX-512 CPUs and head sizes that are multiples of 16
  * (ND = D / 16 vectors per row, a compile-time constant at each call site). */
-#include <immintrin.h>
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
-/* exp_neg on 16 lanes */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.98412698412698413e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.38888888888888889e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333333333333333e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666666666666667e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666666666666667e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-/* Lane i of the result = the sum of v[i]'s 16 lanes: all 16 horizontal sums of a run of
- * keys in 45 shuffles and adds, where 16 separate reductions would take ~130 and a
- * dependent chain each. */
-static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) pair sums, interleaved */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane sums of v4i .. v4i+3 */
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++) /* lanes pairwise summed across the four 128-bit lanes */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
 /* Requests the cache lines of one key row's head into L2. */
@@ -159,7 +91,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *p, in
 
 /* Query rows and key dot products per element type. Q_T is what one query row is kept as,
  * QLOAD fills it, KDOT returns the 16 partial products of a query row with one key row (to
- * be summed horizontally by hsum16x16). The float32 path (and bf16 without VDPBF16PS)
+ * be summed horizontally by hsum16). The float32 path (and bf16 without VDPBF16PS)
  * widens to float32 and multiplies 16 elements at a time. */
 #define DEFINE_FMA_KDOT(NAME, T, LOAD16)                                                       \
     static inline __attribute__((always_inline)) __m512 NAME(const int ND, const __m512 *qv,  \
@@ -230,7 +162,7 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
 /* One work item: KV heads [h0, h1) of sequence n, each with its G query heads, over the
  * sequence's keys in runs of up to 16 keys inside one block. Per run: the partial dot
  * products of every (query head, key), read in memory order (key rows, then heads), 16
- * keys' worth summed at once per query head by hsum16x16; an online-softmax update; the
+ * keys' worth summed at once per query head by hsum16; an online-softmax update; the
  * weighted V rows. With several heads per item (enough sequences to share out), each
  * block's K and V are read front to back. Blocks are scattered over the cache, so the
  * hardware prefetcher cannot see the next one coming: each run requests the next block's
@@ -292,10 +224,10 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
                 for (int g = 0; g < G; g++) {                                                  \
                     const int c = i * G + g;                                                   \
                     const __m512 sv = _mm512_mask_mov_ps(                                      \
-                        neg_inf, live, _mm512_mul_ps(hsum16x16(part[c]), sc));                 \
+                        neg_inf, live, _mm512_mul_ps(hsum16(part[c]), sc));                 \
                     const float bm = _mm512_reduce_max_ps(sv);                                 \
                     if (bm > m[c]) { /* a new maximum: rescale what was summed so far */       \
-                        const float corr = exp_neg(m[c] - bm); /* 0 on the first run */      \
+                        const float corr = exp_approx(m[c] - bm); /* 0 on the first run */      \
                         const __m512 cv = _mm512_set1_ps(corr);                                \
                         for (int j = 0; j < ND; j++) acc[c][j] = _mm512_mul_ps(acc[c][j], cv); \
                         l[c] *= corr;                                                          \
@@ -350,6 +282,15 @@ static int tables_in_range(const int32_t *tables, long table_stride, const int32
     return 1;
 }
 
+/* 0 when the decode kernels cover these sizes and every sequence's keys lie in the cache;
+ * -1 for a size beyond their limits, -2 for a length or block id outside the cache. */
+int decode_attention_check(const int32_t *tables, long table_stride, const int32_t *lens,
+                           int nd, int H, int Hkv, int D, int block_size, long num_blocks) {
+    if (D > MAX_D || Hkv < 1 || H % Hkv != 0 || H / Hkv > MAX_G || block_size > MAX_BLOCK)
+        return -1;
+    return tables_in_range(tables, table_stride, lens, nd, block_size, num_blocks) ? 0 : -2;
+}
+
 #define DEFINE_DECODE(NAME, T, WIDEN, NARROW, AVX_ITEM)                                                  \
     static inline __attribute__((always_inline)) void NAME##_item(                             \
         const int D, const T *q, long q_stride, const T *k_cache, const T *v_cache,            \
@@ -390,11 +331,9 @@ static int tables_in_range(const int32_t *tables, long table_stride, const int32
     int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache,                    \
              const int32_t *tables, long table_stride, const int32_t *lens, T *out, int nd,    \
              int H, int Hkv, int D, int block_size, float scale, long num_blocks) {            \
-        if (D > MAX_D || Hkv < 1 || H % Hkv != 0 || H / Hkv > MAX_G ||                         \
-            block_size > MAX_BLOCK)                                                            \
-            return -1;                                                                         \
-        if (!tables_in_range(tables, table_stride, lens, nd, block_size, num_blocks))          \
-            return -2;                                                                         \
+        const int rc = decode_attention_check(tables, table_stride, lens, nd, H, Hkv, D,       \
+                                              block_size, num_blocks);                         \
+        if (rc != 0) return rc;                                                                \
         /* work items: a sequence's KV heads together (as many as MAX_ITEM_QHEADS query    \
          * heads allow) when there are enough sequences to share out, else single heads    \
          * (more items than threads) */                                                     \
@@ -600,7 +539,7 @@ static inline __attribute__((always_inline)) void prefill_rows(
             const __m512 x1 = _mm512_mask_mov_ps(neg_inf, live1, _mm512_mul_ps(s1[r], sc));
             const float bm = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
             if (bm > m[r]) {
-                const float corr = exp_neg(m[r] - bm); /* 0 on the first step */
+                const float corr = exp_approx(m[r] - bm); /* 0 on the first step */
                 const __m512 cv = _mm512_set1_ps(corr);
                 for (int j = 0; j < ND; j++) o[r][j] = _mm512_mul_ps(o[r][j], cv);
                 lsum[r] = _mm512_mul_ps(lsum[r], cv);

@@ -147,6 +147,10 @@ class LlamaForCausalLM(nn.Module):
         # attributes, not parameters or buffers, so state dicts and loaders ignore them
         self._packed: list[dict[str, torch.Tensor | None]] = []
         self._packed_head: torch.Tensor | None = None
+        # the backend's one-call decode step over these weights and the KV caches it was
+        # built for (see _fused_decode_step), with the key it was built under
+        self._fused_step: Any = None
+        self._fused_key: tuple[int, ...] | None = None
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -199,6 +203,12 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         # rotation tables once per pass, shared by every layer
         cos, sin = rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # [T, 1, D] each
+        if 0 < t == meta.num_decodes == meta.num_seqs:
+            # a few decodes: the whole step in one native call where the backend has one
+            step = self._fused_decode_step(kv_caches)
+            out = None if step is None else step.run(x, cos, sin, meta)
+            if out is not None:
+                return out
         residual: torch.Tensor | None = None
         packed = self._packed or [_NO_PACKED] * len(self.layers)
         # elementwise ops: the attention backend's fused kernels when it has them
@@ -221,6 +231,39 @@ class LlamaForCausalLM(nn.Module):
             x = self._all_reduce(ops.linear(act, layer.down_proj, None, pk["down"]))  # [T, hidden]
         out, _ = ops.rms_norm_(x, self.norm, eps, residual)
         return out
+
+    def _fused_decode_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """The attention backend's fused decode step (`fused_decode_step`, e.g.
+        `sarazmq.kernels.decode_step.FusedDecodeStep`) for these weights and caches, built
+        once and kept while the caches and weights stay the same; None where the backend
+        has none or the model does not fit it (tensor parallel, qkv bias)."""
+        key = (id(kv_caches), kv_caches[0][0].data_ptr(), self.norm.data_ptr())
+        if key != self._fused_key:
+            self._fused_key, self._fused_step = key, None
+            make = getattr(self.attention, "fused_decode_step", None)
+            if make is not None and self.tp_size == 1 and self.layers[0].qkv_bias is None:
+                cfg = self.config
+                self._fused_step = make(
+                    [
+                        (
+                            layer.input_layernorm,
+                            layer.qkv_proj,
+                            layer.o_proj,
+                            layer.post_attention_layernorm,
+                            layer.gate_up_proj,
+                            layer.down_proj,
+                        )
+                        for layer in self.layers
+                    ],
+                    self.norm,
+                    kv_caches,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    eps=cfg.rms_norm_eps,
+                    scale=self.scale,
+                )
+        return self._fused_step
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -271,6 +314,7 @@ class LlamaForCausalLM(nn.Module):
         with one unsharded model; use `load_hf_weights` for that."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self._packed, self._packed_head = [], None  # packs of the old weights are stale
+        self._fused_key = self._fused_step = None
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "layernorm" in name or name == "norm":
@@ -291,6 +335,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         loaded: set[str] = set()
         self._packed, self._packed_head = [], None  # packs of the old weights are stale
+        self._fused_key = self._fused_step = None
         with torch.no_grad():
             for name, tensor in weights:
                 self._load_one(name, tensor, loaded)

@@ -1,0 +1,81 @@
+/* One decode step of a Llama-family model for a few sequences (1 to GEMV_MAX_ROWS rows), in
+ * one call. In a decode step of one to three sequences the math is small (the weights are
+ * streamed once, ~9 ms for the default model) and the Python around ~300 kernel calls
+ * costs a third as much again; this runs the same kernels in the same order as
+ * LlamaForCausalLM.forward does with NativeCpuOps and CpuPagedAttention (the per-op
+ * path), so its result is bitwise that path's, with no Python between them.
+ *
+ * Per layer l (pointers in layers[l * L_PTRS + ...]):
+ *   h = RMSNorm(residual += x) ; qkv = h W_qkv^T ; RoPE(q, k) ; write k, v to the cache ;
+ *   attn = paged decode attention ; x = attn W_o^T ; h = RMSNorm(residual += x) ;
+ *   gu = h W_gate_up^T ; act = silu(gate) * up ; x = act W_down^T
+ * (layer 0 starts from the embeddings: residual = x_in, no add), and at the end
+ * out = RMSNorm(residual += x) with the final norm.
+ *
+ * Shapes (elements, row-major, contiguous): x_in, out [M, hidden]; cos, sin_signed [M, D];
+ * slots [M] int64; tables [M, table_stride] int32; lens [M] int32 (keys after this step);
+ * weights [out, in]; caches [num_blocks, block_size, Hkv, D]; work
+ * decode_step_work_elems(...) elements. Returns 0; -1 when a size is not covered (nothing
+ * written, the caller takes the per-op path); -2 when a slot, length or block id lies
+ * outside the cache (nothing written). */
+#include "common.h"
+#include "kernels.h"
+
+enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_PTRS };
+
+/* Elements of the work buffer for M rows: residual, normed input and block output
+ * [M, hidden] each, qkv [M, (H + 2 Hkv) D], attention output [M, H D], gate_up
+ * [M, 2 inter] and the activation [M, inter]. */
+long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter) {
+    return (long)M * (3L * hidden + (long)(H + 2 * Hkv) * D + (long)H * D + 3L * inter);
+}
+
+/* L_PTRS, for the caller's pointer table */
+int decode_step_layer_ptrs(void) { return L_PTRS; }
+
+#define DEFINE_DECODE_STEP(NAME, T, SUF)                                                       \
+    int NAME(const void *const *layers, int num_layers, const T *final_norm, const T *x_in,   \
+             T *out, T *work, const T *cos, const T *sin_signed, const int64_t *slots,         \
+             const int32_t *tables, long table_stride, const int32_t *lens, int M, int hidden, \
+             int H, int Hkv, int D, int inter, int block_size, long num_blocks, float eps,     \
+             float scale) {                                                                    \
+        const int q_n = H * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;                         \
+        /* everything checked before anything is written */                                   \
+        if (num_layers < 1 || M < 1 || D % 2 != 0 || D > 512 ||                                \
+            !gemv_##SUF##_covers(M, qkv_n, hidden) || !gemv_##SUF##_covers(M, hidden, q_n) ||  \
+            !gemv_##SUF##_covers(M, 2 * inter, hidden) ||                                      \
+            !gemv_##SUF##_covers(M, hidden, inter))                                            \
+            return -1;                                                                         \
+        const int rc = decode_attention_check(tables, table_stride, lens, M, H, Hkv, D,        \
+                                              block_size, num_blocks);                         \
+        if (rc != 0) return rc;                                                                \
+        for (int i = 0; i < M; i++)                                                            \
+            if (slots[i] < 0 || slots[i] >= num_blocks * block_size) return -2;                \
+        T *res = work, *h = res + (long)M * hidden, *x = h + (long)M * hidden;                 \
+        T *qkv = x + (long)M * hidden, *attn = qkv + (long)M * qkv_n;                          \
+        T *gu = attn + (long)M * q_n, *act = gu + 2L * M * inter;                              \
+        memcpy(res, x_in, (size_t)M * hidden * sizeof(T));                                     \
+        for (int l = 0; l < num_layers; l++) {                                                 \
+            const void *const *p = layers + (long)l * L_PTRS;                                  \
+            rms_norm_##SUF(l ? x : res, hidden, l ? res : NULL, hidden, p[L_IN_NORM], h,       \
+                           hidden, M, hidden, eps);                                            \
+            gemv_##SUF(h, hidden, p[L_QKV], qkv, qkv_n, M, qkv_n, hidden);                     \
+            rope_##SUF(qkv, qkv_n, cos, sin_signed, M, H + Hkv, D);                            \
+            write_kv_cache((const char *)(qkv + q_n), qkv_n, (const char *)(qkv + q_n + kv_n), \
+                           qkv_n, (char *)p[L_K_CACHE], (char *)p[L_V_CACHE], slots, M, kv_n,  \
+                           (long)sizeof(T), num_blocks * block_size);                          \
+            paged_decode_attention_##SUF(qkv, qkv_n, p[L_K_CACHE], p[L_V_CACHE], tables,       \
+                                         table_stride, lens, attn, M, H, Hkv, D, block_size,   \
+                                         scale, num_blocks);                                   \
+            gemv_##SUF(attn, q_n, p[L_O], x, hidden, M, hidden, q_n);                          \
+            rms_norm_##SUF(x, hidden, res, hidden, p[L_POST_NORM], h, hidden, M, hidden, eps); \
+            gemv_##SUF(h, hidden, p[L_GATE_UP], gu, 2 * inter, M, 2 * inter, hidden);          \
+            silu_mul_##SUF(gu, 2 * inter, act, inter, M, inter);                               \
+            gemv_##SUF(act, inter, p[L_DOWN], x, hidden, M, hidden, inter);                    \
+        }                                                                                      \
+        rms_norm_##SUF(x, hidden, res, hidden, final_norm, out, hidden, M, hidden, eps);       \
+        return 0;                                                                              \
+    }
+
+DEFINE_DECODE_STEP(decode_step_f32, float, f32)
+DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16)

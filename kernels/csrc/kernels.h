@@ -1,0 +1,67 @@
+/* The C entry points of the CPU kernel library (one shared object built from every .c
+ * file here by sarazmq.kernels.native and called through ctypes). Declared once so that
+ * decode_step.c calls the other files' kernels with checked signatures. Return codes:
+ * 0 done; -1 a size this build does not cover, nothing written (the caller falls back to
+ * torch); -2 an index (slot, block id, length) outside the cache, nothing written. */
+#ifndef SARAZMQ_KERNELS_H
+#define SARAZMQ_KERNELS_H
+
+#include <stdint.h>
+
+/* rows a gemv_* call takes */
+#define GEMV_MAX_ROWS 8
+
+/* cpu_ops.c */
+void rms_norm_f32(const float *x, long x_stride, float *residual, long r_stride,
+                  const float *weight, float *out, long o_stride, long rows, int hidden,
+                  float eps);
+void rms_norm_bf16(const uint16_t *x, long x_stride, uint16_t *residual, long r_stride,
+                   const uint16_t *weight, uint16_t *out, long o_stride, long rows, int hidden,
+                   float eps);
+void rope_f32(float *x, long x_stride, const float *cos, const float *sin_signed, long rows,
+              int heads, int D);
+void rope_bf16(uint16_t *x, long x_stride, const uint16_t *cos, const uint16_t *sin_signed,
+               long rows, int heads, int D);
+void silu_mul_f32(const float *gate_up, long gu_stride, float *out, long o_stride, long rows,
+                  int inter);
+void silu_mul_bf16(const uint16_t *gate_up, long gu_stride, uint16_t *out, long o_stride,
+                   long rows, int inter);
+/* whether gemv_* takes these sizes (1 if so) */
+int gemv_f32_covers(int M, int N, int K);
+int gemv_bf16_covers(int M, int N, int K);
+int gemv_f32(const float *x, long x_stride, const float *w, float *y, long y_stride, int M,
+             int N, int K);
+int gemv_bf16(const uint16_t *x, long x_stride, const uint16_t *w, uint16_t *y, long y_stride,
+              int M, int N, int K);
+
+/* cpu_attention.c */
+int decode_attention_check(const int32_t *tables, long table_stride, const int32_t *lens,
+                           int nd, int H, int Hkv, int D, int block_size, long num_blocks);
+int paged_decode_attention_f32(const float *q, long q_stride, const float *k_cache,
+                               const float *v_cache, const int32_t *tables, long table_stride,
+                               const int32_t *lens, float *out, int nd, int H, int Hkv, int D,
+                               int block_size, float scale, long num_blocks);
+int paged_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *tables,
+                                long table_stride, const int32_t *lens, uint16_t *out, int nd,
+                                int H, int Hkv, int D, int block_size, float scale,
+                                long num_blocks);
+int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, char *k_cache,
+                   char *v_cache, const int64_t *slots, long num_tokens, long row_elems,
+                   long elem_size, long num_slots);
+
+/* decode_step.c */
+long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter);
+int decode_step_layer_ptrs(void);
+int decode_step_f32(const void *const *layers, int num_layers, const float *final_norm,
+                    const float *x_in, float *out, float *work, const float *cos,
+                    const float *sin_signed, const int64_t *slots, const int32_t *tables,
+                    long table_stride, const int32_t *lens, int M, int hidden, int H, int Hkv,
+                    int D, int inter, int block_size, long num_blocks, float eps, float scale);
+int decode_step_bf16(const void *const *layers, int num_layers, const uint16_t *final_norm,
+                     const uint16_t *x_in, uint16_t *out, uint16_t *work, const uint16_t *cos,
+                     const uint16_t *sin_signed, const int64_t *slots, const int32_t *tables,
+                     long table_stride, const int32_t *lens, int M, int hidden, int H, int Hkv,
+                     int D, int inter, int block_size, long num_blocks, float eps, float scale);
+
+#endif

@@ -1,0 +1,210 @@
+"""A Llama decode step of one to three sequences in one C call (kernels/csrc/decode_step.c).
+
+With a handful of running sequences a decode step is bound by streaming the weights once
+(~9 ms for the default model in bf16), and the Python around its ~300 kernel calls
+(argument checks, views, ctypes) added a third again. `FusedDecodeStep` runs the same
+kernels in the same order as the per-op path (`LlamaForCausalLM.forward` with
+`NativeCpuOps` and `CpuPagedAttention`) inside one C function, so its output is bitwise
+that path's; it is the CPU's counterpart of a captured CUDA graph, not a second model.
+
+Built by the model (`LlamaForCausalLM`) from its weights and KV caches when the attention
+backend offers it (`CpuPagedAttention.fused_decode_step`); `run` returns None wherever it
+does not apply (a prefill in the batch, more rows than the matrix-vector kernel takes,
+another dtype), and the model then takes the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .cpu_ops import GEMV_MAX_ROWS
+from .metadata import AttentionMetadata
+from .native import load_library
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_STEP_ARGTYPES = [
+    _P,  # layer pointer table
+    _I,  # num layers
+    _P,  # final norm weight
+    _P,  # x_in [M, hidden]
+    _P,  # out [M, hidden]
+    _P,  # work buffer
+    _P,  # cos [M, D]
+    _P,  # sin_signed [M, D]
+    _P,  # slots [M] int64
+    _P,  # block tables int32
+    _L,  # block table row stride
+    _P,  # seq lens [M] int32
+    _I,  # M
+    _I,  # hidden
+    _I,  # H
+    _I,  # Hkv
+    _I,  # D
+    _I,  # inter
+    _I,  # block size
+    _L,  # num blocks
+    _F,  # eps
+    _F,  # scale
+]
+_SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"}
+
+
+class DecodeLayerWeights(NamedTuple):
+    """One decoder layer's tensors, as the fused step reads them (all contiguous)."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
+    o: torch.Tensor  # [hidden, H D]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 inter, hidden]
+    down: torch.Tensor  # [hidden, inter]
+
+
+class FusedDecodeStep:
+    """A Llama model's decode step over fixed weights and KV caches, in one C call.
+
+    layers: each layer's weights; kv_caches: per layer (k_cache, v_cache), each
+    [num_blocks, block_size, Hkv, D] contiguous; final_norm: [hidden]. Raises ValueError
+    when the kernels are unavailable or a tensor does not fit (dtype, device, layout).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[DecodeLayerWeights],
+        final_norm: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        lib = load_library()
+        if lib is None:
+            raise ValueError("fused decode step unavailable: the native CPU kernels did not build")
+        if not layers or len(layers) != len(kv_caches):
+            raise ValueError(f"{len(layers)} layers for {len(kv_caches)} KV caches")
+        dtype = final_norm.dtype
+        if dtype not in _SYMBOLS:
+            raise ValueError(f"fused decode step: unsupported dtype {dtype}")
+        tensors = [final_norm]
+        for weights, caches in zip(layers, kv_caches, strict=True):
+            tensors.extend(weights)
+            tensors.extend(caches)
+        for t in tensors:
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(
+                    "fused decode step: every weight and cache must be a contiguous CPU "
+                    f"tensor of {dtype}"
+                )
+        self.dtype = dtype
+        self.hidden = final_norm.shape[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.inter = layers[0].down.shape[1]
+        self.eps, self.scale = eps, scale
+        k0 = kv_caches[0][0]
+        self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
+        if k0.shape[2:] != (num_kv_heads, head_dim):
+            raise ValueError(f"KV cache of shape {tuple(k0.shape)} for {num_kv_heads} x {head_dim}")
+        self._fn = getattr(lib, _SYMBOLS[dtype])
+        self._fn.argtypes = _STEP_ARGTYPES
+        self._fn.restype = _I
+        self._work_elems = lib.decode_step_work_elems
+        self._work_elems.argtypes = [_I] * 6
+        self._work_elems.restype = _L
+        per_layer = lib.decode_step_layer_ptrs()
+        if per_layer != len(DecodeLayerWeights._fields) + 2:
+            raise ValueError(f"decode_step.c expects {per_layer} pointers per layer")
+        ptrs = []
+        for weights, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            ptrs.extend(t.data_ptr() for t in weights)
+            ptrs.extend((k_cache.data_ptr(), v_cache.data_ptr()))
+        self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._num_layers = len(layers)
+        self._keep = tensors  # the table points into these
+        self._final_norm = final_norm.data_ptr()
+        self._work: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_rows(self) -> int:
+        """The most sequences one step takes (the C matrix-vector kernel's rows)."""
+        return GEMV_MAX_ROWS[self.dtype]
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Runs every layer and the final norm for a batch of decodes.
+
+        x: [M, hidden] embeddings of the M decode tokens; cos, sin_signed: [M, 1, D] from
+        `rope_cos_sin`; meta: the step's metadata (all M sequences decodes). Writes this
+        step's K/V into the caches and returns the final-normed hidden states [M, hidden],
+        or None (nothing done) where the fused step does not apply.
+        """
+        m = x.shape[0]
+        tables, lens, slots = meta.block_tables, meta.seq_lens_k, meta.slot_mapping
+        if (
+            not 1 <= m <= self.max_rows
+            or not (m == meta.num_decodes == meta.num_seqs)
+            or x.dtype != self.dtype
+            or x.device.type != "cpu"
+            or x.shape[1] != self.hidden
+            or not x.is_contiguous()
+            or cos.dtype != self.dtype
+            or sin_signed.dtype != self.dtype
+            or not (cos.is_contiguous() and sin_signed.is_contiguous())
+            or cos.numel() != m * self.head_dim
+            or sin_signed.numel() != m * self.head_dim
+            or tables.dtype != torch.int32
+            or tables.stride(1) != 1
+            or lens.dtype != torch.int32
+            or not lens.is_contiguous()
+            or slots.dtype != torch.int64
+            or not slots.is_contiguous()
+        ):
+            return None
+        work = self._work.get(m)
+        if work is None:
+            elems = self._work_elems(
+                m, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.inter
+            )
+            work = self._work[m] = torch.empty(elems, dtype=self.dtype)
+        out = torch.empty((m, self.hidden), dtype=self.dtype)
+        rc = self._fn(
+            self._table,
+            self._num_layers,
+            self._final_norm,
+            x.data_ptr(),
+            out.data_ptr(),
+            work.data_ptr(),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            lens.data_ptr(),
+            m,
+            self.hidden,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.inter,
+            self.block_size,
+            self.num_blocks,
+            self.eps,
+            self.scale,
+        )
+        if rc == -2:
+            raise IndexError(
+                f"decode step: a slot, sequence length or block id reaches outside the KV "
+                f"cache ({self.num_blocks} blocks of {self.block_size} tokens)"
+            )
+        return out if rc == 0 else None

@@ -1,0 +1,187 @@
+"""The fused decode step (kernels/csrc/decode_step.c, sarazmq.kernels.decode_step): a
+Llama decode step of 1-3 sequences in one C call must give bitwise the per-op path's
+hidden states and KV cache, decline what it does not cover, and turn bad plans into
+errors that write nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sarazmq.config import ModelConfig
+from sarazmq.kernels.cpu_attention import CpuPagedAttention, cpu_attention_available
+from sarazmq.kernels.decode_step import FusedDecodeStep
+from sarazmq.kernels.metadata import AttentionMetadata
+from sarazmq.model.llama import LlamaForCausalLM, allocate_kv_cache
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention_available(), reason="native CPU kernels unavailable (no C compiler)"
+)
+
+BLOCK = 4
+NUM_BLOCKS = 24
+# prompt lengths of up to three sequences: inside one block, across blocks, a full block
+PROMPTS = (7, 12, 3)
+# scattered, non-monotonic block tables
+TABLES = ([17, 3, 9, 0], [5, 21, 11, 14, 2], [8, 23, 1])
+
+
+class PerOpCpuAttention(CpuPagedAttention):
+    """The CPU backend without its fused decode step: the per-op path."""
+
+    def fused_decode_step(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def tiny_config(**over: object) -> ModelConfig:
+    base = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,  # K = 96: three bf16 GEMV vectors
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position=128,
+        tie_word_embeddings=True,
+    )
+    base.update(over)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def _model(backend: CpuPagedAttention, dtype: torch.dtype, **over: object) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(tiny_config(**over), backend, dtype=dtype)
+    model.random_init_(seed=7, std=0.3)  # big enough weights that every op matters
+    return model
+
+
+def _prefilled(model: LlamaForCausalLM, m: int, dtype: torch.dtype) -> list:
+    """KV caches holding the prompts of the first m sequences."""
+    caches = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, dtype, "cpu")
+    lens = list(PROMPTS[:m])
+    ids = torch.randint(0, 96, (sum(lens),), generator=torch.Generator().manual_seed(m))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    meta = AttentionMetadata.build(lens, lens, [list(t) for t in TABLES[:m]], BLOCK)
+    model(ids, pos, caches, meta)
+    return caches
+
+
+def _decode_meta(m: int, step: int) -> AttentionMetadata:
+    lens = [n + step + 1 for n in PROMPTS[:m]]
+    return AttentionMetadata.build([1] * m, lens, [list(t) for t in TABLES[:m]], BLOCK)
+
+
+def _decode(model: LlamaForCausalLM, caches: list, m: int, steps: int) -> list[torch.Tensor]:
+    outs = []
+    for step in range(steps):
+        meta = _decode_meta(m, step)
+        ids = torch.tensor([(11 * step + 5 * i) % 96 for i in range(m)])
+        pos = torch.tensor([n + step for n in PROMPTS[:m]])
+        outs.append(model(ids, pos, caches, meta))
+    return outs
+
+
+def compare_with_per_op(dtype: torch.dtype, m: int, steps: int = 3) -> tuple[bool, bool]:
+    """(fused step used, outputs and caches bitwise the per-op path's) for m decodes over
+    `steps` steps from the same prefilled caches. Also run by the restricted-build test
+    in test_cpu_kernels.py."""
+    torch.manual_seed(0)
+    fused_model = _model(CpuPagedAttention(), dtype)
+    per_op_model = _model(PerOpCpuAttention(), dtype)
+    per_op_model.load_state_dict(fused_model.state_dict())
+    caches_a = _prefilled(fused_model, m, dtype)
+    caches_b = [(k.clone(), v.clone()) for k, v in caches_a]
+    used = []
+    real_run = FusedDecodeStep.run
+
+    def counting_run(self: FusedDecodeStep, *args: object) -> torch.Tensor | None:
+        out = real_run(self, *args)  # type: ignore[arg-type]
+        used.append(out is not None)
+        return out
+
+    FusedDecodeStep.run = counting_run  # type: ignore[method-assign]
+    try:
+        fused = _decode(fused_model, caches_a, m, steps)
+    finally:
+        FusedDecodeStep.run = real_run  # type: ignore[method-assign]
+    per_op = _decode(per_op_model, caches_b, m, steps)
+    same = all(torch.equal(a, b) for a, b in zip(fused, per_op, strict=True)) and all(
+        torch.equal(ka, kb) and torch.equal(va, vb)
+        for (ka, va), (kb, vb) in zip(caches_a, caches_b, strict=True)
+    )
+    return bool(used) and all(used), same
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_is_bitwise_the_per_op_path(dtype: torch.dtype, m: int) -> None:
+    used, same = compare_with_per_op(dtype, m)
+    if not used:
+        pytest.skip(f"this CPU's build has no {dtype} matrix-vector kernel")
+    assert same
+
+
+def test_fused_step_declines_what_it_does_not_cover() -> None:
+    model = _model(CpuPagedAttention(), torch.float32)
+    caches = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+    step = model._fused_decode_step(caches)
+    if step is None:
+        pytest.skip("no fused step on this CPU's build")
+    assert step.max_rows == 3
+    hidden = model.config.hidden_size
+    x = torch.randn(4, hidden)
+    cos = torch.ones(4, 1, 16)
+    four = AttentionMetadata.build([1] * 4, [2] * 4, [[0], [1], [2], [3]], BLOCK)
+    assert step.run(x, cos, cos, four) is None  # more rows than the GEMV takes
+    hybrid = AttentionMetadata.build([1, 2], [2, 2], [[0], [1]], BLOCK)
+    assert step.run(x[:3], cos[:3], cos[:3], hybrid) is None  # a prefill in the batch
+    one = AttentionMetadata.build([1], [2], [[0]], BLOCK)
+    assert step.run(x[:1].bfloat16(), cos[:1], cos[:1], one) is None  # another dtype
+    # a model with a qkv bias (Qwen2) or tensor parallel shards gets no fused step
+    biased = _model(CpuPagedAttention(), torch.float32, qkv_bias=True)
+    assert biased._fused_decode_step(caches) is None
+    # sizes the GEMV does not take (hidden 40: not a multiple of 16 float32 lanes)
+    odd = _model(CpuPagedAttention(), torch.float32, hidden_size=40)
+    odd_caches = allocate_kv_cache(odd.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+    odd_step = odd._fused_decode_step(odd_caches)
+    assert odd_step is not None
+    assert odd_step.run(torch.randn(1, 40), cos[:1], cos[:1], one) is None
+
+
+def test_fused_step_is_rebuilt_for_new_caches_and_weights() -> None:
+    model = _model(CpuPagedAttention(), torch.float32)
+    caches = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+    step = model._fused_decode_step(caches)
+    if step is None:
+        pytest.skip("no fused step on this CPU's build")
+    assert model._fused_decode_step(caches) is step
+    other = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+    assert model._fused_decode_step(other) is not step
+    again = model._fused_decode_step(other)
+    model.random_init_(seed=1)
+    assert model._fused_decode_step(other) is not again
+
+
+@pytest.mark.parametrize("bad", ["slot", "block", "length"])
+def test_bad_plans_raise_and_write_nothing(bad: str) -> None:
+    model = _model(CpuPagedAttention(), torch.float32)
+    caches = _prefilled(model, 2, torch.float32)
+    step = model._fused_decode_step(caches)
+    if step is None:
+        pytest.skip("no fused step on this CPU's build")
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    meta = _decode_meta(2, 0)
+    if bad == "slot":
+        meta.slot_mapping[1] = NUM_BLOCKS * BLOCK
+    elif bad == "block":
+        meta.block_tables[0, 1] = NUM_BLOCKS
+    else:
+        meta.seq_lens_k[1] = 4 * len(TABLES[1]) + 1  # more keys than its table holds
+    ids, pos = torch.tensor([3, 4]), torch.tensor([PROMPTS[0], PROMPTS[1]])
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        model(ids, pos, caches, meta)
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
