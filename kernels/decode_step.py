@@ -1,11 +1,14 @@
-"""A Llama decode step of one to three sequences in one C call (kernels/csrc/decode_step.c).
+"""A Llama decode step of one to eight sequences in one C call (kernels/csrc/decode_step.c).
 
 With a handful of running sequences a decode step is bound by streaming the weights once
-(~9 ms for the default model in bf16), and the Python around its ~300 kernel calls
-(argument checks, views, ctypes) added a third again. `FusedDecodeStep` runs the same
-kernels in the same order as the per-op path (`LlamaForCausalLM.forward` with
-`NativeCpuOps` and `CpuPagedAttention`) inside one C function, so its output is bitwise
-that path's; it is the CPU's counterpart of a captured CUDA graph, not a second model.
+(~8 ms for the default model in bf16), and the Python around its ~300 kernel calls
+(argument checks, views, ctypes) added a third again. `FusedDecodeStep` runs the kernels
+of the per-op path (`LlamaForCausalLM.forward` with `NativeCpuOps` and
+`CpuPagedAttention`) in the same order inside one C function; it is the CPU's
+counterpart of a captured CUDA graph, not a second model. Up to `GEMV_MAX_ROWS` rows the
+per-op path runs these very kernels and the output is bitwise the same; from 4 to 8 rows
+the per-op path's matmuls are oneDNN's and the fused step keeps the matrix-vector kernel
+(float32 sums in another order), still faster with the Python gone (`FUSED_MAX_ROWS`).
 
 Built by the model (`LlamaForCausalLM`) from its weights and KV caches when the attention
 backend offers it (`CpuPagedAttention.fused_decode_step`); `run` returns None wherever it
@@ -21,7 +24,6 @@ from typing import NamedTuple
 
 import torch
 
-from .cpu_ops import GEMV_MAX_ROWS
 from .metadata import AttentionMetadata
 from .native import load_library
 
@@ -51,6 +53,11 @@ _STEP_ARGTYPES = [
     _F,  # scale
 ]
 _SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"}
+# Sequences up to which the fused step beats the per-op path (whose matmuls go to oneDNN
+# past GEMV_MAX_ROWS): on the default model, 512-token contexts, same-process A/B, bf16
+# 1.27x at 1, 1.33x at 4, 1.15x at 8, even at 12, 0.92x at 16; float32 1.13x, 1.25x,
+# 1.05x, then 0.85x at 12. The C matrix-vector kernel takes 8 rows (kernels.h).
+FUSED_MAX_ROWS = 8
 
 
 class DecodeLayerWeights(NamedTuple):
@@ -132,8 +139,8 @@ class FusedDecodeStep:
 
     @property
     def max_rows(self) -> int:
-        """The most sequences one step takes (the C matrix-vector kernel's rows)."""
-        return GEMV_MAX_ROWS[self.dtype]
+        """The most sequences one step takes."""
+        return FUSED_MAX_ROWS
 
     def run(
         self,

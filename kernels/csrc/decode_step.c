@@ -1,9 +1,10 @@
 /* One decode step of a Llama-family model for a few sequences (1 to GEMV_MAX_ROWS rows), in
- * one call. In a decode step of one to three sequences the math is small (the weights are
- * streamed once, ~9 ms for the default model) and the Python around ~300 kernel calls
- * costs a third as much again; this runs the same kernels in the same order as
- * LlamaForCausalLM.forward does with NativeCpuOps and CpuPagedAttention (the per-op
- * path), so its result is bitwise that path's, with no Python between them.
+ * one call. In a decode step of a few sequences the math is small (the weights are
+ * streamed once, ~8 ms for the default model in bf16) and the Python around ~300 kernel
+ * calls costs a third as much again; this runs the kernels LlamaForCausalLM.forward runs
+ * with NativeCpuOps and CpuPagedAttention (the per-op path), in the same order, with no
+ * Python between them: where that path also uses the matrix-vector kernel (1-3 rows) the
+ * result is bitwise its result.
  *
  * Per layer l (pointers in layers[l * L_PTRS + ...]):
  *   h = RMSNorm(residual += x) ; qkv = h W_qkv^T ; RoPE(q, k) ; write k, v to the cache ;
