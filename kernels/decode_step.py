@@ -1,4 +1,4 @@
-"""A Llama decode step of one to eight sequences in one C call (kernels/csrc/decode_step.c).
+"""A Llama decode step of a few sequences in one C call (kernels/csrc/decode_step.c).
 
 With a handful of running sequences a decode step is bound by streaming the weights once
 (~8 ms for the default model in bf16), and the Python around its ~300 kernel calls
@@ -8,7 +8,8 @@ of the per-op path (`LlamaForCausalLM.forward` with `NativeCpuOps` and
 counterpart of a captured CUDA graph, not a second model. Up to `GEMV_MAX_ROWS` rows the
 per-op path runs these very kernels and the output is bitwise the same; from 4 to 8 rows
 the per-op path's matmuls are oneDNN's and the fused step keeps the matrix-vector kernel
-(float32 sums in another order), still faster with the Python gone (`FUSED_MAX_ROWS`).
+(float32 sums in another order), still faster with the Python gone, up to 8 sequences in
+bf16 and 6 in float32 (`FUSED_MAX_ROWS`).
 
 Built by the model (`LlamaForCausalLM`) from its weights and KV caches when the attention
 backend offers it (`CpuPagedAttention.fused_decode_step`); `run` returns None wherever it
@@ -54,10 +55,11 @@ _STEP_ARGTYPES = [
 ]
 _SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"}
 # Sequences up to which the fused step beats the per-op path (whose matmuls go to oneDNN
-# past GEMV_MAX_ROWS): on the default model, 512-token contexts, same-process A/B, bf16
-# 1.27x at 1, 1.33x at 4, 1.15x at 8, even at 12, 0.92x at 16; float32 1.13x, 1.25x,
-# 1.05x, then 0.85x at 12. The C matrix-vector kernel takes 8 rows (kernels.h).
-FUSED_MAX_ROWS = 8
+# past GEMV_MAX_ROWS), on the default model with 512-token contexts, same-process A/B:
+# bf16 1.27x at 1, 1.33x at 4, 1.15x at 8, even at 12, 0.92x at 16; float32 1.13-1.20x at
+# 1, 1.21-1.25x at 4, 1.11x at 6, 0.95-1.07x at 8, 0.85x at 12. The C matrix-vector kernel
+# takes at most 8 rows (GEMV_MAX_ROWS in kernels.h).
+FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
 
 
 class DecodeLayerWeights(NamedTuple):
@@ -140,7 +142,7 @@ class FusedDecodeStep:
     @property
     def max_rows(self) -> int:
         """The most sequences one step takes."""
-        return FUSED_MAX_ROWS
+        return FUSED_MAX_ROWS[self.dtype]
 
     def run(
         self,

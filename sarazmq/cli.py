@@ -68,6 +68,11 @@ def engine_options(f: Any) -> Any:
             default="auto",
             show_default=True,
         ),
+        click.option(
+            "--enforce-eager",
+            is_flag=True,
+            help="run the model op by op (no fused one-call decode step)",
+        ),
         click.option("--device", default="auto", show_default=True),
         click.option(
             "--threads",
@@ -87,6 +92,7 @@ def build_config(kw: dict[str, Any]) -> EngineConfig:
         dtype=kw["dtype"],
         device=kw["device"],
         attention_backend=kw["attention_backend"],
+        enforce_eager=kw["enforce_eager"],
         tensor_parallel_size=kw["tp"],
         num_threads=kw["threads"],
         scheduler=SchedulerConfig(

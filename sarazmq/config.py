@@ -98,6 +98,10 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     attention_backend: str = "auto"
+    # True: always run the model op by op; False: decode steps of a few sequences may run
+    # as one native call where the backend has one (the CPU's fused decode step, see
+    # sarazmq.kernels.decode_step), as vLLM's enforce_eager turns off captured graphs
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
     num_threads: int = 0
     seed: int = 0

@@ -140,6 +140,7 @@ class LLM:
         num_kv_blocks: int = 0,
         max_model_len: int = 0,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         device: str = "auto",
         num_threads: int = 0,
         seed: int = 0,
@@ -150,6 +151,7 @@ class LLM:
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
             num_threads=num_threads,
             seed=seed,
             scheduler=SchedulerConfig(

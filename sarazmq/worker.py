@@ -40,6 +40,7 @@ def build_model_runner(
     )
     # on CPU: oneDNN-packed matmul weights (faster matmuls; see can_prepack_linear)
     model.prepack_linear_weights()
+    model.fused_decode = not config.enforce_eager
     kv_caches = allocate_kv_cache(
         model_config,
         config.cache.num_blocks,

@@ -12,6 +12,8 @@ What it measures (median of --runs timed repetitions after one warm-up each):
   are exact: prefill of a 2,048-token prompt (512-token chunks, and one pass), decode steps
   at 1, 16 and 64 running requests with 512-token contexts, the hybrid iteration (a
   256-token prefill chunk at positions 256..511 plus 32 decodes) against the chunk alone;
+  and decode steps of 1, 4 and 8 running with the fused one-call decode step against the
+  same op by op (`enforce_eager`), the two timed alternately;
 - end to end: `LLM.generate` on a batch of requests (output tokens per second);
 - transformers on the same GGUF in the same dtype (dequantized nn.Linear weights, default
   SDPA attention): eager forward passes of the same shapes (DynamicCache, logits of the
@@ -55,6 +57,8 @@ PROMPT_LEN = 2048
 PREFILL_CHUNK = 512
 DECODE_CTX = 512
 DECODE_BATCHES = (1, 16, 64)
+# decode batches for the fused-step A/B (the fused step takes up to 8 sequences)
+EAGER_AB_BATCHES = (1, 4, 8)
 HYBRID_CHUNK = 256
 HYBRID_DECODES = 32
 
@@ -237,6 +241,30 @@ class RunnerBench:
         t = _median_time(go, runs)
         self.free_all()
         return t
+
+    def decode_eager_ab(self, batch: int, runs: int) -> tuple[float, float]:
+        """Seconds per decode step of `batch` requests (as `decode`), with the model's fused
+        one-call decode step and op by op (`enforce_eager`), timed alternately so that a
+        shared machine's drift hits both alike: (fused, eager)."""
+        seqs = [self.new_seq(DECODE_CTX, DECODE_CTX - 1) for _ in range(batch)]
+        plan = self.plan([(s, DECODE_CTX - 1, 1, True) for s in seqs])
+        model = self.runner.model
+
+        def go() -> None:
+            self.set_computed(seqs, DECODE_CTX - 1)
+            self.run(plan)
+
+        times: dict[bool, list[float]] = {True: [], False: []}
+        try:
+            for _ in range(runs):
+                for fused in (True, False):
+                    model.fused_decode = fused
+                    go()  # warm-up: the other mode's buffers and cache state
+                    times[fused].append(_time_once(go))
+        finally:
+            model.fused_decode = True
+            self.free_all()
+        return statistics.median(times[True]), statistics.median(times[False])
 
     def hybrid(self, runs: int) -> tuple[float, float, float]:
         """Seconds for (chunk + decodes, chunk alone, decodes alone)."""
@@ -530,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in DECODE_BATCHES:
         ours[f"decode_{b}"] = bench.decode(b, runs)
     ours["hybrid"], ours["chunk"], ours["decodes"] = bench.hybrid(runs)
+    eager_ab = {b: bench.decode_eager_ab(b, runs) for b in EAGER_AB_BATCHES}
     print(f"ours done ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
     e2e_ours = None
@@ -656,6 +685,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print_table(rows)
+    print()
+    print(
+        f"fused decode step vs op by op (--enforce-eager), {DECODE_CTX}-token contexts, "
+        "timed alternately in this run:"
+    )
+    print("| running | fused step (ms) | op by op (ms) | speedup |")
+    print("|---|---|---|---|")
+    for b, (fused_s, eager_s) in eager_ab.items():
+        print(f"| {b} | {1e3 * fused_s:.2f} | {1e3 * eager_s:.2f} | {eager_s / fused_s:.2f}x |")
     print()
     hyb = ours["hybrid"] / ours["chunk"]
     roof = limit_s(d_q + c_q, d_k + c_k, HYBRID_DECODES + 1) / limit_s(c_q, c_k, 1)

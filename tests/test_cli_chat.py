@@ -83,7 +83,8 @@ def test_chat_two_turns_in_a_pty() -> None:
     assert rundirs and not any(os.path.exists(d) for d in rundirs)
 
 
-def test_generate_command_streams_an_answer() -> None:
+@pytest.mark.parametrize("extra", [[], ["--enforce-eager"]])
+def test_generate_command_streams_an_answer(extra: list[str]) -> None:
     # the console script installed beside this interpreter (the venv's bin/ may not be on PATH)
     script = os.path.join(os.path.dirname(sys.executable), "sarazmq")
     assert os.path.exists(script), "the sarazmq console script is not installed"
@@ -98,6 +99,7 @@ def test_generate_command_streams_an_answer() -> None:
             "128",
             "--max-model-len",
             "512",
+            *extra,
         ],
         capture_output=True,
         text=True,

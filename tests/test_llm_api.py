@@ -125,3 +125,16 @@ def test_preemption_is_invisible(llm: LLM) -> None:
     stats = llm.engine.scheduler.stats()
     assert stats.num_free_blocks == stats.num_total_blocks == 16
     llm.engine.replace_scheduler(SchedulerConfig(chunk_size=32, max_num_seqs=16, max_model_len=512))
+
+
+def test_enforce_eager_runs_op_by_op_with_the_same_tokens(llm: LLM) -> None:
+    # the fused one-call decode step (default) against the op-by-op model: 1-3 running
+    # decodes run the very same kernels, so greedy tokens are identical
+    assert llm.engine.runner.model.fused_decode
+    eager = LLM(max_num_seqs=16, max_model_len=512, num_kv_blocks=64, enforce_eager=True)
+    assert eager.engine.runner.model.fused_decode is False
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for batch in ([PROMPTS[0]], PROMPTS[1:4]):
+        assert [o.token_ids for o in eager.generate(batch, params)] == [
+            o.token_ids for o in llm.generate(batch, params)
+        ]

@@ -147,8 +147,10 @@ class LlamaForCausalLM(nn.Module):
         # attributes, not parameters or buffers, so state dicts and loaders ignore them
         self._packed: list[dict[str, torch.Tensor | None]] = []
         self._packed_head: torch.Tensor | None = None
-        # the backend's one-call decode step over these weights and the KV caches it was
-        # built for (see _fused_decode_step), with the key it was built under
+        # decode steps of a few sequences through the backend's one-call step where it has
+        # one (EngineConfig.enforce_eager turns it off); the step is built for these
+        # weights and the KV caches it was given (see _fused_decode_step), under a key
+        self.fused_decode = True
         self._fused_step: Any = None
         self._fused_key: tuple[int, ...] | None = None
         self.lm_head = (
@@ -203,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         # rotation tables once per pass, shared by every layer
         cos, sin = rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # [T, 1, D] each
-        if 0 < t == meta.num_decodes == meta.num_seqs:
+        if self.fused_decode and 0 < t == meta.num_decodes == meta.num_seqs:
             # a few decodes: the whole step in one native call where the backend has one
             step = self._fused_decode_step(kv_caches)
             out = None if step is None else step.run(x, cos, sin, meta)
