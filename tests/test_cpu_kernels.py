@@ -64,6 +64,32 @@ def test_decode_kernel_reads_strided_queries() -> None:
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
 
 
+# fewer than 4 sequences: each sequence's keys are split into ranges (work for every
+# thread) and merged by their softmax maxima and sums; short sequences leave ranges empty
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (40, 4)])
+@pytest.mark.parametrize("lens", [(1,), (515,), (2, 100), (17, 1, 300)])
+def test_decode_kernel_with_few_sequences_matches_reference(
+    dtype: torch.dtype, head_dim: int, heads: tuple[int, int], lens: tuple[int, ...]
+) -> None:
+    seqs = [(1, n) for n in lens]
+    q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(
+        seqs, *heads, head_dim, 16, seed=len(lens) + head_dim
+    )
+    kc, vc = k_cache.to(dtype), v_cache.to(dtype)
+    write_kv_cache(k.to(dtype), v.to(dtype), kc, vc, meta.slot_mapping)
+    out = paged_decode_attention(q.to(dtype), kc, vc, meta.block_tables, meta.seq_lens_k, 0.2)
+    assert out is not None and out.dtype == dtype
+    kf = [t.to(dtype) for t in k_full]
+    vf = [t.to(dtype) for t in v_full]
+    ref = reference_attention(q.to(dtype), kf, vf, meta.q_lens, meta.k_lens, 0.2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
 # bf16 has its own AVX-512 path (VDPBF16PS dot products, V rows widened in an even/odd
 # order that the output store undoes), compiled per (head_dim, heads per KV head) pair
 @pytest.mark.parametrize("head_dim", [16, 64, 128])

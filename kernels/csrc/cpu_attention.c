@@ -11,18 +11,30 @@
  *   tables  [nd, table_stride] int32 block ids
  *   lens    [nd] int32, keys per sequence (>= 1)
  *   out     [nd, H, D] contiguous
- * Query head h uses KV head h / (H / Hkv) (grouped-query attention). Work items are
- * (sequence, KV head) pairs, parallel over OpenMP threads; all G = H / Hkv query heads of
- * a pair share one pass over that head's keys and values. Math is float32 throughout
- * (bf16 inputs are widened exactly), as SDPA's CPU kernel does.
+ * Query head h uses KV head h / (H / Hkv) (grouped-query attention); all G = H / Hkv
+ * query heads of a KV head share one pass over its keys and values. Work items, parallel
+ * over OpenMP threads: on the AVX-512 path (head sizes 64 and 128) a sequence's KV heads
+ * together, and with fewer than 4 sequences each over one range of its keys, the ranges
+ * merged by their softmax maxima and sums; on the portable path (sequence, KV head) pairs.
+ * Math is float32 throughout (bf16 q.k products exact in float32), as SDPA's CPU kernel.
  */
+#include <stdlib.h>
+
 #include "common.h"
 #include "kernels.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int omp_threads(void) { return omp_get_max_threads(); }
+#else
+static inline int omp_threads(void) { return 1; }
+#endif
 
 #define MAX_D 256
 #define MAX_G 16
 #define MAX_ITEM_QHEADS 32 /* query heads of one decode work item (>= MAX_G) */
 #define MAX_BLOCK 128
+#define MAX_SPLITS 8 /* key ranges per decode work item when sequences are few */
 
 static inline void widen_f32(const float *src, float *dst, int n) { memcpy(dst, src, n * sizeof(float)); }
 
@@ -174,8 +186,10 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
     static inline __attribute__((always_inline)) void NAME(                                    \
         const int ND, const int G, const T *q, long q_stride, const T *k_cache,                \
         const T *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,       \
-        T *out, int n, int h0, int h1, int H, int Hkv, int block_size, float scale) {          \
+        T *out, int n, int h0, int h1, int H, int Hkv, int block_size, float scale, int k0,    \
+        int k1, float *split_out) {                                                            \
         const int D = ND * 16, nq = (h1 - h0) * G; /* query heads, c = (h - h0) * G + g */     \
+        (void)lens; /* the keys are k0 .. k1 - 1 */                                            \
         const long tok_stride = (long)Hkv * D;                                                 \
         const long block_elems = (long)block_size * tok_stride;                                \
         Q_T qv[MAX_ITEM_QHEADS][MAX_D / 16];                                                   \
@@ -191,9 +205,9 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
             m[c] = -INFINITY;                                                                  \
             l[c] = 0.0f;                                                                       \
         }                                                                                      \
-        const int len = lens[n];                                                               \
+        const int len = k1;                                                                    \
         const int32_t *table = tables + (long)n * table_stride;                                \
-        for (int start = 0, nt = 0; start < len; start += nt) {                                \
+        for (int start = k0, nt = 0; start < len; start += nt) {                               \
             const int off = start % block_size, blk = start / block_size;                      \
             nt = len - start < 16 ? len - start : 16;                                          \
             if (nt > block_size - off) nt = block_size - off;                                  \
@@ -256,6 +270,15 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
                     for (int j = 0; j < ND; j++) acc[i * G + g][j] = a[g][j];                  \
             }                                                                                  \
         }                                                                                      \
+        if (split_out) { /* a range of the keys: the raw state, for combine_split */           \
+            for (int c = 0; c < nq; c++) {                                                     \
+                float *pc = split_out + (long)c * (D + 2);                                     \
+                for (int j = 0; j < ND; j++) _mm512_storeu_ps(pc + 16 * j, acc[c][j]);         \
+                pc[D] = m[c];                                                                  \
+                pc[D + 1] = l[c];                                                              \
+            }                                                                                  \
+            return;                                                                            \
+        }                                                                                      \
         for (int c = 0; c < nq; c++)                                                           \
             STORE_OUT(ND, out + ((long)n * H + h0 * G + c) * D, acc[c], 1.0f / l[c]);          \
     }
@@ -264,6 +287,36 @@ DEFINE_ITEM_AVX512(item_avx512_f32, float, __m512, F32_QLOAD, f32_kdot, f32_vloa
                    f32_store_out)
 DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, bf16_q_t, BF16_QLOAD, bf16_kdot,
                    bf16_vload, bf16_store_out)
+/* Merges the S key splits of one item (parts: S consecutive blocks of nq rows of D + 2
+ * floats: the accumulators as the item keeps them, then m and l) into its nq output rows:
+ * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest m_s. Splits
+ * without keys (m = -inf, l = 0) weigh nothing. */
+#define DEFINE_COMBINE(NAME, T, STORE_OUT)                                                     \
+    static void NAME(int ND, const float *parts, int S, long stride, int nq, T *out) {          \
+        const int D = ND * 16;                                                                 \
+        for (int c = 0; c < nq; c++) {                                                         \
+            float mx = -INFINITY;                                                              \
+            for (int s = 0; s < S; s++) {                                                      \
+                const float ms = parts[s * stride + (long)c * (D + 2) + D];                    \
+                mx = ms > mx ? ms : mx;                                                        \
+            }                                                                                  \
+            __m512 acc[MAX_D / 16];                                                            \
+            for (int j = 0; j < ND; j++) acc[j] = _mm512_setzero_ps();                         \
+            float l = 0.0f;                                                                    \
+            for (int s = 0; s < S; s++) {                                                      \
+                const float *pc = parts + s * stride + (long)c * (D + 2);                      \
+                if (pc[D + 1] == 0.0f) continue; /* no keys in this split */                   \
+                const float w = exp_approx(pc[D] - mx);                                        \
+                const __m512 wv = _mm512_set1_ps(w);                                           \
+                for (int j = 0; j < ND; j++)                                                   \
+                    acc[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pc + 16 * j), acc[j]);        \
+                l += w * pc[D + 1];                                                            \
+            }                                                                                  \
+            STORE_OUT(ND, out + (long)c * D, acc, 1.0f / l);                                   \
+        }                                                                                      \
+    }
+DEFINE_COMBINE(combine_split_f32, float, f32_store_out)
+DEFINE_COMBINE(combine_split_bf16, uint16_t, bf16_store_out)
 #define HAVE_AVX512_ITEM 1
 #endif
 
@@ -291,7 +344,7 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
     return tables_in_range(tables, table_stride, lens, nd, block_size, num_blocks) ? 0 : -2;
 }
 
-#define DEFINE_DECODE(NAME, T, WIDEN, NARROW, AVX_ITEM)                                                  \
+#define DEFINE_DECODE(NAME, T, WIDEN, NARROW, AVX_ITEM, AVX_SPLIT)                          \
     static inline __attribute__((always_inline)) void NAME##_item(                             \
         const int D, const T *q, long q_stride, const T *k_cache, const T *v_cache,            \
         const int32_t *tables, long table_stride, const int32_t *lens, T *out, int n, int h,   \
@@ -334,6 +387,9 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
         const int rc = decode_attention_check(tables, table_stride, lens, nd, H, Hkv, D,       \
                                               block_size, num_blocks);                         \
         if (rc != 0) return rc;                                                                \
+        if (nd < 4 && AVX_SPLIT(q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, \
+                                nd, H, Hkv, D, block_size, scale))                             \
+            return 0;                                                                          \
         /* work items: a sequence's KV heads together (as many as MAX_ITEM_QHEADS query    \
          * heads allow) when there are enough sequences to share out, else single heads    \
          * (more items than threads) */                                                     \
@@ -346,7 +402,7 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
             const int h1 = h0 + per_item < Hkv ? h0 + per_item : Hkv;                          \
             /* constant head sizes get their own fully unrolled copy */                       \
             if (AVX_ITEM(D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, \
-                         n, h0, h1, H, Hkv, block_size, scale))                                \
+                         n, h0, h1, H, Hkv, block_size, scale, 0, lens[n], NULL))              \
                 continue;                                                                      \
             for (int h = h0; h < h1; h++) {                                                    \
                 if (D == 64)                                                                   \
@@ -370,7 +426,7 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
 #define ITEM_CASE(ITEM, ND, G_)                                                                \
     case G_:                                                                                   \
         ITEM(ND, G_, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1, \
-             H, Hkv, block_size, scale);                                                       \
+             H, Hkv, block_size, scale, k0, k1, split_out);                                         \
         return 1;
 #define ITEM_SWITCH(ITEM, ND)                                                                  \
     switch (G) {                                                                               \
@@ -379,29 +435,80 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
         ITEM_CASE(ITEM, ND, 7) ITEM_CASE(ITEM, ND, 8)                                          \
     default:                                                                                   \
         ITEM(ND, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1, \
-             H, Hkv, block_size, scale);                                                       \
+             H, Hkv, block_size, scale, k0, k1, split_out);                                         \
         return 1;                                                                              \
     }
 #define DEFINE_AVX_DISPATCH(NAME, T, ITEM)                                                     \
     static int NAME(int D, int G, const T *q, long q_stride, const T *k_cache,                 \
                     const T *v_cache, const int32_t *tables, long table_stride,                \
                     const int32_t *lens, T *out, int n, int h0, int h1, int H, int Hkv,        \
-                    int block_size, float scale) {                                             \
+                    int block_size, float scale, int k0, int k1, float *split_out) {           \
         if (D == 64) { ITEM_SWITCH(ITEM, 4) }                                                  \
         if (D == 128) { ITEM_SWITCH(ITEM, 8) }                                                 \
         return 0;                                                                              \
     }
 DEFINE_AVX_DISPATCH(avx_item_f32, float, item_avx512_f32)
 DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, item_avx512_bf16)
+
+/* Decode attention for fewer sequences than it takes to keep the threads busy (nd < 4):
+ * items are still a sequence's KV heads together (whole cache rows, read in memory order),
+ * each over one of S ranges of its keys, S chosen for about two items per thread; the
+ * ranges are merged by their softmax maxima and sums (combine_split). Per-head items, the
+ * alternative, read a third of each row and leave threads idle (3 heads on 2 threads):
+ * 1.9x slower at one sequence. Returns 1 when done; 0 for head sizes without an AVX-512
+ * copy, one split, or no memory for the partial results (the caller's path then runs). */
+#define DEFINE_SPLIT_DECODE(NAME, T, ITEM, COMBINE)                                            \
+    static int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache,             \
+                    const int32_t *tables, long table_stride, const int32_t *lens, T *out,     \
+                    int nd, int H, int Hkv, int D, int block_size, float scale) {              \
+        if (D != 64 && D != 128) return 0;                                                     \
+        const int G = H / Hkv, fit = MAX_ITEM_QHEADS / G;                                      \
+        const int per_item = Hkv < fit ? Hkv : fit, groups = (Hkv + per_item - 1) / per_item;  \
+        const long base_items = (long)nd * groups;                                             \
+        long splits = (2L * omp_threads() + base_items - 1) / base_items;                      \
+        if (splits > MAX_SPLITS) splits = MAX_SPLITS;                                          \
+        if (splits < 2) return 0;                                                              \
+        const int S = (int)splits;                                                             \
+        const long stride = (long)per_item * G * (D + 2); /* floats of one partial result */   \
+        float *parts = (float *)malloc(sizeof(float) * (size_t)(base_items * S * stride));     \
+        if (parts == NULL) return 0;                                                           \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                       \
+        for (long item = 0; item < base_items * S; item++) {                                   \
+            const long bi = item / S;                                                          \
+            const int s = (int)(item % S), n = (int)(bi / groups);                             \
+            const int h0 = (int)(bi % groups) * per_item;                                      \
+            const int h1 = h0 + per_item < Hkv ? h0 + per_item : Hkv;                          \
+            const int len = lens[n], chunk = ((len + S - 1) / S + 15) / 16 * 16;               \
+            const int k0 = s * chunk < len ? s * chunk : len;                                  \
+            const int k1 = k0 + chunk < len ? k0 + chunk : len;                                \
+            ITEM(D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0,  \
+                 h1, H, Hkv, block_size, scale, k0, k1, parts + item * stride);                \
+        }                                                                                      \
+        for (long bi = 0; bi < base_items; bi++) {                                             \
+            const int n = (int)(bi / groups), h0 = (int)(bi % groups) * per_item;             \
+            const int h1 = h0 + per_item < Hkv ? h0 + per_item : Hkv;                          \
+            COMBINE(D / 16, parts + bi * S * stride, S, stride, (h1 - h0) * G,                 \
+                    out + ((long)n * H + (long)h0 * G) * D);                                   \
+        }                                                                                      \
+        free(parts);                                                                           \
+        return 1;                                                                              \
+    }
+DEFINE_SPLIT_DECODE(split_decode_f32, float, avx_item_f32, combine_split_f32)
+DEFINE_SPLIT_DECODE(split_decode_bf16, uint16_t, avx_item_bf16, combine_split_bf16)
 #define ITEM_F32 avx_item_f32
 #define ITEM_BF16 avx_item_bf16
+#define SPLIT_F32 split_decode_f32
+#define SPLIT_BF16 split_decode_bf16
 #else
 #define ITEM_F32(...) 0
 #define ITEM_BF16(...) 0
+#define SPLIT_F32(...) 0
+#define SPLIT_BF16(...) 0
 #endif
 
-DEFINE_DECODE(paged_decode_attention_f32, float, widen_f32, narrow_f32, ITEM_F32)
-DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, widen_bf16, narrow_bf16, ITEM_BF16)
+DEFINE_DECODE(paged_decode_attention_f32, float, widen_f32, narrow_f32, ITEM_F32, SPLIT_F32)
+DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, widen_bf16, narrow_bf16, ITEM_BF16,
+              SPLIT_BF16)
 
 /* Writes this step's K and V rows into the paged caches: row i of k (token stride
  * k_stride elements, row_elems contiguous elements) goes to slot slots[i] of k_cache
