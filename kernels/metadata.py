@@ -84,6 +84,26 @@ class AttentionMetadata:
             if n < max_blocks:
                 padded.extend([0] * (max_blocks - n))
         tables = torch.tensor(padded, dtype=torch.int32).reshape(num_seqs, max_blocks)
+        if num_decodes == num_seqs:
+            # decodes only (one token each): positions and slots straight from the host
+            # lists, a few scalar ops per sequence instead of ~10 small tensor ops
+            pos = [k - 1 for k in k_lens]
+            slot_list = [
+                t[p // block_size] * block_size + p % block_size
+                for t, p in zip(block_tables, pos, strict=True)
+            ]
+            return AttentionMetadata(
+                cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32).to(device),
+                seq_lens_k=torch.tensor(k_lens, dtype=torch.int32).to(device),
+                block_tables=tables.to(device),
+                slot_mapping=torch.tensor(slot_list, dtype=torch.int64).to(device),
+                max_seqlen_q=1 if num_seqs else 0,
+                max_seqlen_k=max(k_lens, default=0),
+                num_decodes=num_decodes,
+                q_lens=list(q_lens),
+                k_lens=list(k_lens),
+                positions=torch.tensor(pos, dtype=torch.int64).to(device),
+            )
         q_t = torch.tensor(q_lens, dtype=torch.int64)  # [B]
         k_t = torch.tensor(k_lens, dtype=torch.int64)  # [B]
         positions = token_positions(q_t, k_t)  # [T]

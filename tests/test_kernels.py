@@ -173,6 +173,33 @@ def test_metadata_build_matches_per_token_definition() -> None:
         AttentionMetadata.build([5], [3], [[0]], block_size)
 
 
+def test_metadata_build_of_decodes_only_matches_per_token_definition() -> None:
+    # decode-only batches take a host-side path: the same fields, dtypes and values
+    g = torch.Generator().manual_seed(5)
+    block_size = 4
+    k_lens = [1, 4, 5, 16, 17, 30]
+    tables = [
+        torch.randperm(60, generator=g)[: -(-k // block_size) + i % 2].tolist()
+        for i, k in enumerate(k_lens)
+    ]
+    meta = AttentionMetadata.build([1] * len(k_lens), k_lens, tables, block_size)
+    positions = [k - 1 for k in k_lens]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == slots
+    assert meta.positions is not None and meta.positions.dtype == torch.int64
+    assert meta.positions.tolist() == positions
+    assert meta.cu_seqlens_q.dtype == torch.int32
+    assert meta.cu_seqlens_q.tolist() == list(range(len(k_lens) + 1))
+    assert meta.seq_lens_k.dtype == torch.int32 and meta.seq_lens_k.tolist() == k_lens
+    width = max(len(t) for t in tables)
+    assert meta.block_tables.dtype == torch.int32
+    assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    assert meta.num_decodes == meta.num_seqs == meta.num_tokens == len(k_lens)
+    assert meta.max_seqlen_q == 1 and meta.max_seqlen_k == 30
+    with pytest.raises(ValueError, match="too short"):
+        AttentionMetadata.build([1, 1], [3, 9], [[0], [1, 2]], block_size)
+
+
 def test_reference_attention_is_causal_and_gqa() -> None:
     # hand-checkable case: one head, keys identical -> output = mean of visible values
     q = torch.zeros(3, 2, 1)
