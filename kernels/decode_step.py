@@ -112,14 +112,32 @@ class FusedDecodeStep:
                     f"tensor of {dtype}"
                 )
         self.dtype = dtype
-        self.hidden = final_norm.shape[0]
+        self.hidden = hidden = final_norm.shape[0]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.inter = layers[0].down.shape[1]
+        self.inter = inter = layers[0].down.shape[1]
         self.eps, self.scale = eps, scale
         k0 = kv_caches[0][0]
         self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
-        if k0.shape[2:] != (num_kv_heads, head_dim):
-            raise ValueError(f"KV cache of shape {tuple(k0.shape)} for {num_kv_heads} x {head_dim}")
+        # the C step reads these shapes blindly: check every tensor against them once here
+        q_n, kv_n = num_heads * head_dim, num_kv_heads * head_dim
+        expected = (  # in DecodeLayerWeights order
+            (hidden,),
+            (q_n + 2 * kv_n, hidden),
+            (hidden, q_n),
+            (hidden,),
+            (2 * inter, hidden),
+            (hidden, inter),
+        )
+        cache_shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
+        for i, (weights, caches) in enumerate(zip(layers, kv_caches, strict=True)):
+            for name, t, shape in zip(DecodeLayerWeights._fields, weights, expected, strict=True):
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"layer {i} {name}: shape {tuple(t.shape)}, expected {shape}")
+            for t in caches:
+                if tuple(t.shape) != cache_shape:
+                    raise ValueError(
+                        f"layer {i} KV cache: shape {tuple(t.shape)}, expected {cache_shape}"
+                    )
         self._fn = getattr(lib, _SYMBOLS[dtype])
         self._fn.argtypes = _STEP_ARGTYPES
         self._fn.restype = _I

@@ -12,9 +12,10 @@ import torch
 from sarazmq.config import ModelConfig
 from sarazmq.kernels.cpu_attention import CpuPagedAttention, cpu_attention_available
 from sarazmq.kernels.cpu_ops import GEMV_MAX_ROWS
-from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, FusedDecodeStep
+from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, DecodeLayerWeights, FusedDecodeStep
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.llama import LlamaForCausalLM, allocate_kv_cache
+from tests.test_model import _tiny_config
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention_available(), reason="native CPU kernels unavailable (no C compiler)"
@@ -45,22 +46,19 @@ class PerOpCpuAttention(CpuPagedAttention):
 
 
 def tiny_config(**over: object) -> ModelConfig:
+    # K = 96 for the down projection: three bf16 GEMV vectors
     base = dict(
-        architecture="LlamaForCausalLM",
         vocab_size=96,
         hidden_size=64,
-        intermediate_size=96,  # K = 96: three bf16 GEMV vectors
+        intermediate_size=96,
         num_layers=3,
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         max_position=128,
-        tie_word_embeddings=True,
     )
     base.update(over)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+    return _tiny_config(**base)
 
 
 def _model(backend: CpuPagedAttention, dtype: torch.dtype, **over: object) -> LlamaForCausalLM:
@@ -170,6 +168,33 @@ def test_fused_step_declines_what_it_does_not_cover() -> None:
     odd_step = odd._fused_decode_step(odd_caches)
     assert odd_step is not None
     assert odd_step.run(torch.randn(1, 40), cos[:1], cos[:1], one) is None
+
+
+def test_fused_step_refuses_tensors_of_the_wrong_shape() -> None:
+    # the C step trusts every shape: a mismatch must be an error at build time
+    model = _model(CpuPagedAttention(), torch.float32)
+    caches = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+    layers = [
+        DecodeLayerWeights(
+            layer.input_layernorm,
+            layer.qkv_proj,
+            layer.o_proj,
+            layer.post_attention_layernorm,
+            layer.gate_up_proj,
+            layer.down_proj,
+        )
+        for layer in model.layers
+    ]
+    dims = dict(num_heads=4, num_kv_heads=2, head_dim=16, eps=1e-5, scale=0.25)
+    FusedDecodeStep(layers, model.norm, caches, **dims)  # the right shapes build
+    bad = list(layers)
+    bad[1] = bad[1]._replace(o=torch.zeros(64, 32))
+    with pytest.raises(ValueError, match=r"layer 1 o: shape \(64, 32\), expected \(64, 64\)"):
+        FusedDecodeStep(bad, model.norm, caches, **dims)
+    short = list(caches)
+    short[2] = (caches[2][0][:8].contiguous(), caches[2][1])
+    with pytest.raises(ValueError, match="layer 2 KV cache"):
+        FusedDecodeStep(layers, model.norm, short, **dims)
 
 
 def test_fused_step_is_rebuilt_for_new_caches_and_weights() -> None:

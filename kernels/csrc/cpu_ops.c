@@ -102,10 +102,10 @@ void rope_bf16(uint16_t *x, long x_stride, const uint16_t *cos, const uint16_t *
  * bf16 tensor (after silu, after the product). exp_approx is within ~2 ulp of torch's, so
  * results can differ from torch's in the last bit. */
 #if defined(__AVX512F__)
-/* silu(g) * u on 16 lanes, float32 */
-static inline __m512 silu_mul16(__m512 g, __m512 u) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+/* silu(x) = x / (1 + exp(-x)) on 16 lanes, float32 */
+static inline __m512 silu16(__m512 x) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 /* 16 bf16 <-> float32, round to nearest even (finite inputs), as to_bf */
 static inline __m512 bf16x16_load(const uint16_t *p) {
@@ -130,7 +130,8 @@ void silu_mul_f32(const float *gate_up, long gu_stride, float *out, long o_strid
         int j = 0;
 #if defined(__AVX512F__)
         for (; j + 16 <= inter; j += 16)
-            _mm512_storeu_ps(o + j, silu_mul16(_mm512_loadu_ps(g + j), _mm512_loadu_ps(u + j)));
+            _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)),
+                                                  _mm512_loadu_ps(u + j)));
 #endif
         for (; j < inter; j++) o[j] = (g[j] / (1.0f + exp_approx(-g[j]))) * u[j];
     }
@@ -145,9 +146,7 @@ void silu_mul_bf16(const uint16_t *gate_up, long gu_stride, uint16_t *out, long 
         int j = 0;
 #if defined(__AVX512F__)
         for (; j + 16 <= inter; j += 16) {
-            const __m512 x = bf16x16_load(g + j);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-            const __m512 sv = bf16x16_round(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            const __m512 sv = bf16x16_round(silu16(bf16x16_load(g + j)));
             const __m512 r = bf16x16_round(_mm512_mul_ps(sv, bf16x16_load(u + j)));
             _mm256_storeu_si256((__m256i *)(o + j),
                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
