@@ -434,7 +434,10 @@ def test_bad_requests_get_structured_errors_naming_the_field(env: Env) -> None:
 
 
 def test_thousand_requests_against_a_small_pool(env: Env) -> None:
-    n, max_tokens, prompt_len = 1000, 4, 14
+    # 15-token prompts fill their first block; their second decode needs a second block, held
+    # for the rest of their 8 tokens: with ~63 admitted at once the pool must preempt
+    # (with 4 tokens after 14, fast steps could finish requests before the pool filled)
+    n, max_tokens, prompt_len = 1000, 8, 15
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 20000) for _ in range(prompt_len)] for _ in range(10)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
