@@ -22,6 +22,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from .block_quant import BlockQuantWeight, block_quant_linear
 from .native import load_library
 from .ops import apply_rope_, linear, rms_norm_
 
@@ -62,9 +63,12 @@ class HotOps:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
+        blocks: BlockQuantWeight | None = None,
     ) -> torch.Tensor:
         """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]; see
-        `sarazmq.kernels.ops.linear` (packed: its prepacked oneDNN weight, or None)."""
+        `sarazmq.kernels.ops.linear` (packed: its prepacked oneDNN weight, or None; blocks:
+        the same weight as the checkpoint's quantized blocks, or None, which the C ops read
+        where that gives the same result faster)."""
         return linear(x, weight, bias, packed)
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -155,6 +159,7 @@ class NativeCpuOps(HotOps):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
+        blocks: BlockQuantWeight | None = None,
     ) -> torch.Tensor:
         fn = self._fns.get(("gemv", x.dtype))
         if (
@@ -169,6 +174,12 @@ class NativeCpuOps(HotOps):
             or weight.shape[1] != x.shape[1]
         ):
             return super().linear(x, weight, bias, packed)
+        if blocks is not None:
+            # the quantized blocks hold exactly `weight`, and their kernel sums as gemv_f32
+            # does: the same result from a quarter of the bytes (float32 only)
+            out = block_quant_linear(x, blocks)
+            if out is not None:
+                return out
         rows, (n, k) = x.shape[0], weight.shape
         out = torch.empty((rows, n), dtype=x.dtype)
         if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, rows, n, k) != 0:

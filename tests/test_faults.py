@@ -502,7 +502,8 @@ def test_thousand_requests_against_a_small_pool(env: Env) -> None:
 
 # ---- 4. clients that go away ------------------------------------------------------------
 
-LONG = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
+# "Count:" is 3 tokens: 240 more fill the 256-token context (16 blocks of the 64)
+LONG = {"temperature": 0, "max_tokens": 240, "ignore_eos": True}
 
 
 def _start_long_requests(sock: zmq.Socket, tag: str, k: int = 4) -> None:
@@ -534,8 +535,13 @@ def test_client_that_disconnects_mid_stream_is_aborted(env: Env) -> None:
 def test_client_that_stops_reading_is_aborted(env: Env) -> None:
     s0 = env.stats()["frontend"]
     sock = env.dealer(rcvhwm=1)
+    # The requests must outlive the client timeout, whatever the decode speed: 8 of them
+    # need 128 KV blocks at their end and the pool has 64, so they run in two waves at
+    # least (preempted and recomputed), ~500 decode steps: the four requests of 200 tokens
+    # this test used to send could all finish before the timeout once decode got faster
+    k = 8
     try:
-        _start_long_requests(sock, "sr")
+        _start_long_requests(sock, "sr", k)
         t0 = time.monotonic()
         # never reads, never answers a heartbeat
         with env.client() as c:
@@ -547,7 +553,7 @@ def test_client_that_stops_reading_is_aborted(env: Env) -> None:
     finally:
         sock.close(linger=0)
     s1 = env.stats()["frontend"]
-    assert s1["num_aborted_for_gone_clients"] - s0["num_aborted_for_gone_clients"] == 4
+    assert s1["num_aborted_for_gone_clients"] - s0["num_aborted_for_gone_clients"] == k
     assert sum(s1["clients_gone"].values()) == sum(s0["clients_gone"].values()) + 1
     assert freed_after < CLIENT_TIMEOUT_S + 10
     print(

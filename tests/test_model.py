@@ -269,9 +269,16 @@ def test_reverse_permute_inverts_llama_cpp_permute() -> None:
 # ---------------------------------------------------------------------------- GGUF (tiny)
 
 
-def _write_tiny_gguf(hf_path: Path, out: Path, arch: str) -> None:
-    """Writes a GGUF the way llama.cpp's converter would (F32, Q/K permuted for llama)."""
+def _write_tiny_gguf(
+    hf_path: Path, out: Path, arch: str, quant: dict[str, str] | None = None
+) -> None:
+    """Writes a GGUF the way llama.cpp's converter would (F32, Q/K permuted for llama).
+
+    quant: GGUF block types by tensor ("self_attn.q_proj", "mlp.down_proj", "lm_head",
+    "embed_tokens", ...) for tensors stored quantized (gguf.quants.quantize).
+    """
     import gguf
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_path / "config.json").read_text())
@@ -307,6 +314,7 @@ def _write_tiny_gguf(hf_path: Path, out: Path, arch: str) -> None:
     }
     for name, t in sd.items():
         a = t.float().numpy()
+        key = name.removesuffix(".weight").split(".", 3)[-1].removeprefix("model.")
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -323,7 +331,12 @@ def _write_tiny_gguf(hf_path: Path, out: Path, arch: str) -> None:
             else:
                 gname = names[rest]
             gname = f"blk.{layer}.{gname}"
-        w.add_tensor(gname, np.ascontiguousarray(a))
+        qtype = (quant or {}).get(key)
+        if qtype is None:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+        else:
+            raw_type = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, quantize(np.ascontiguousarray(a), raw_type), raw_dtype=raw_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

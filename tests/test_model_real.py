@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sarazmq.config import ModelConfig
-from sarazmq.kernels import TorchPagedAttention
+from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.llama import LlamaForCausalLM, allocate_kv_cache
 from sarazmq.model.loader import (
@@ -139,7 +139,6 @@ def test_native_cpu_backend_in_bf16_is_as_close_to_float32_as_torch(
     # the bf16 native paths end to end (prefill attention over cached context, 2-row
     # matmuls, decode attention) stray from the float32 model no further than bf16 on the
     # torch backend does (measured: max logit error 0.25-1.15 for both, logits up to ~29)
-    from sarazmq.kernels import CpuPagedAttention
     from sarazmq.kernels.cpu_attention import cpu_attention_available
 
     if not cpu_attention_available():
@@ -159,3 +158,22 @@ def test_native_cpu_backend_in_bf16_is_as_close_to_float32_as_torch(
         clear = (top2[:, 0] - top2[:, 1]) > 2 * err
         assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
     assert errs["cpu"] <= 1.5 * errs["torch"] + 0.1, errs
+
+
+def test_float32_model_reads_the_gguf_blocks_and_they_change_nothing(
+    source: ModelSource, config: ModelConfig
+) -> None:
+    # the default model's file stores Q4_1 matmuls and a Q8_0 embedding (the tied LM
+    # head): a float32 model keeps them for its decode matmuls, with bitwise the results
+    # of the dequantized float32 weights
+    model = load_model(source, config, torch.float32, "cpu", CpuPagedAttention())
+    if not model._blocks:
+        pytest.skip("no AVX-512 block kernels on this CPU's build")
+    kinds = {(k, b[k].kind) for b in model._blocks for k in b if b[k] is not None}
+    assert kinds == {("qkv", "q4"), ("o", "q4"), ("gate_up", "q4"), ("down", "q4")}
+    assert model._blocks_head is not None and model._blocks_head.kind == "q8"
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, config.vocab_size, (40,), generator=g).tolist()
+    with_blocks = _paged_run(model, ids, chunk=16, decodes=6)
+    model._blocks, model._blocks_head, model._fused_key = [], None, None
+    assert torch.equal(with_blocks, _paged_run(model, ids, chunk=16, decodes=6))

@@ -1,4 +1,5 @@
-/* One decode step of a Llama-family model for a few sequences (1 to GEMV_MAX_ROWS rows), in
+/* One decode step of a Llama-family model for a few sequences (1 to GEMV_MAX_ROWS rows; up
+ * to QGEMV_MAX_ROWS where every matmul reads block-quantized weights), in
  * one call. In a decode step of a few sequences the math is small (the weights are
  * streamed once, ~8 ms for the default model in bf16) and the Python around ~300 kernel
  * calls costs a third as much again; this runs the kernels LlamaForCausalLM.forward runs
@@ -6,7 +7,8 @@
  * Python between them: where that path also uses the matrix-vector kernel (1-3 rows) the
  * result is bitwise its result.
  *
- * Per layer l (pointers in layers[l * L_PTRS + ...]):
+ * Per layer l (pointers in layers[l * L_PTRS + ...]; float32 steps read each matmul's weight
+ * in its format, plain or GGUF block-quantized, see linear_f32):
  *   h = RMSNorm(residual += x) ; qkv = h W_qkv^T ; RoPE(q, k) ; write k, v to the cache ;
  *   attn = paged decode attention ; x = attn W_o^T ; h = RMSNorm(residual += x) ;
  *   gu = h W_gate_up^T ; act = silu(gate) * up ; x = act W_down^T
@@ -22,7 +24,32 @@
 #include "common.h"
 #include "kernels.h"
 
-enum { L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_PTRS };
+enum {
+    L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE,
+    /* a matmul's block scales where its weight is block-quantized (float32 steps), else
+     * unused: the matmul's format is in formats[l * 4 + j], j = 0..3 for qkv, o, gate_up,
+     * down (W_PLAIN, W_Q4, W_Q8) */
+    L_QKV_S, L_O_S, L_GATE_UP_S, L_DOWN_S,
+    L_PTRS
+};
+enum { W_PLAIN, W_Q4, W_Q8 };
+
+/* y = x w^T for one of the layer's matmuls, in its storage format (block_quant.c's
+ * kernels are bitwise gemv_f32 on the dequantized weight). Sizes were checked up front. */
+static inline void linear_f32(int fmt, const float *x, long xs, const void *w, const void *sc,
+                              float *y, long ys, int M, int N, int K) {
+    if (fmt == W_Q4)
+        gemv_q4_f32(x, xs, w, sc, y, ys, M, N, K);
+    else if (fmt == W_Q8)
+        gemv_q8_f32(x, xs, w, sc, y, ys, M, N, K);
+    else
+        gemv_f32(x, xs, w, y, ys, M, N, K);
+}
+static inline void linear_bf16(int fmt, const uint16_t *x, long xs, const void *w,
+                               const void *sc, uint16_t *y, long ys, int M, int N, int K) {
+    (void)fmt; (void)sc; /* bf16 steps take plain weights only (checked up front) */
+    gemv_bf16(x, xs, w, y, ys, M, N, K);
+}
 
 /* Elements of the work buffer for M rows: residual, normed input and block output
  * [M, hidden] each, qkv [M, (H + 2 Hkv) D], attention output [M, H D], gate_up
@@ -34,18 +61,30 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
 /* L_PTRS, for the caller's pointer table */
 int decode_step_layer_ptrs(void) { return L_PTRS; }
 
-#define DEFINE_DECODE_STEP(NAME, T, SUF)                                                       \
-    int NAME(const void *const *layers, int num_layers, const T *final_norm, const T *x_in,   \
-             T *out, T *work, const T *cos, const T *sin_signed, const int64_t *slots,         \
-             const int32_t *tables, long table_stride, const int32_t *lens, int M, int hidden, \
-             int H, int Hkv, int D, int inter, int block_size, long num_blocks, float eps,     \
-             float scale) {                                                                    \
+#define DEFINE_DECODE_STEP(NAME, T, SUF, BLOCKS_OK)                                            \
+    int NAME(const void *const *layers, const int32_t *formats, int num_layers,               \
+             const T *final_norm, const T *x_in, T *out, T *work, const T *cos,                \
+             const T *sin_signed, const int64_t *slots, const int32_t *tables,                 \
+             long table_stride, const int32_t *lens, int M, int hidden, int H, int Hkv, int D, \
+             int inter, int block_size, long num_blocks, float eps, float scale) {             \
         const int q_n = H * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;                         \
         /* everything checked before anything is written */                                   \
+        int plain = 0, blocks = 0;                                                             \
+        for (int j = 0; j < 4 * num_layers; j++) {                                             \
+            if (formats[j] == W_PLAIN)                                                         \
+                plain = 1;                                                                     \
+            else if (BLOCKS_OK && (formats[j] == W_Q4 || formats[j] == W_Q8))                  \
+                blocks = 1;                                                                    \
+            else                                                                               \
+                return -1;                                                                     \
+        }                                                                                      \
         if (num_layers < 1 || M < 1 || D % 2 != 0 || D > 512 ||                                \
-            !gemv_##SUF##_covers(M, qkv_n, hidden) || !gemv_##SUF##_covers(M, hidden, q_n) ||  \
-            !gemv_##SUF##_covers(M, 2 * inter, hidden) ||                                      \
-            !gemv_##SUF##_covers(M, hidden, inter))                                            \
+            (plain && (!gemv_##SUF##_covers(M, qkv_n, hidden) ||                               \
+                       !gemv_##SUF##_covers(M, hidden, q_n) ||                                 \
+                       !gemv_##SUF##_covers(M, 2 * inter, hidden) ||                           \
+                       !gemv_##SUF##_covers(M, hidden, inter))) ||                             \
+            (blocks && (!gemv_q_covers(M, qkv_n, hidden) || !gemv_q_covers(M, hidden, q_n) ||  \
+                        !gemv_q_covers(M, hidden, inter))))                                    \
             return -1;                                                                         \
         const int rc = decode_attention_check(tables, table_stride, lens, M, H, Hkv, D,        \
                                               block_size, num_blocks);                         \
@@ -58,9 +97,10 @@ int decode_step_layer_ptrs(void) { return L_PTRS; }
         memcpy(res, x_in, (size_t)M * hidden * sizeof(T));                                     \
         for (int l = 0; l < num_layers; l++) {                                                 \
             const void *const *p = layers + (long)l * L_PTRS;                                  \
+            const int32_t *f = formats + 4L * l;                                               \
             rms_norm_##SUF(l ? x : res, hidden, l ? res : NULL, hidden, p[L_IN_NORM], h,       \
                            hidden, M, hidden, eps);                                            \
-            gemv_##SUF(h, hidden, p[L_QKV], qkv, qkv_n, M, qkv_n, hidden);                     \
+            linear_##SUF(f[0], h, hidden, p[L_QKV], p[L_QKV_S], qkv, qkv_n, M, qkv_n, hidden); \
             rope_##SUF(qkv, qkv_n, cos, sin_signed, M, H + Hkv, D);                            \
             write_kv_cache((const char *)(qkv + q_n), qkv_n, (const char *)(qkv + q_n + kv_n), \
                            qkv_n, (char *)p[L_K_CACHE], (char *)p[L_V_CACHE], slots, M, kv_n,  \
@@ -68,15 +108,17 @@ int decode_step_layer_ptrs(void) { return L_PTRS; }
             paged_decode_attention_##SUF(qkv, qkv_n, p[L_K_CACHE], p[L_V_CACHE], tables,       \
                                          table_stride, lens, attn, M, H, Hkv, D, block_size,   \
                                          scale, num_blocks);                                   \
-            gemv_##SUF(attn, q_n, p[L_O], x, hidden, M, hidden, q_n);                          \
+            linear_##SUF(f[1], attn, q_n, p[L_O], p[L_O_S], x, hidden, M, hidden, q_n);        \
             rms_norm_##SUF(x, hidden, res, hidden, p[L_POST_NORM], h, hidden, M, hidden, eps); \
-            gemv_##SUF(h, hidden, p[L_GATE_UP], gu, 2 * inter, M, 2 * inter, hidden);          \
+            linear_##SUF(f[2], h, hidden, p[L_GATE_UP], p[L_GATE_UP_S], gu, 2 * inter, M,      \
+                         2 * inter, hidden);                                                   \
             silu_mul_##SUF(gu, 2 * inter, act, inter, M, inter);                               \
-            gemv_##SUF(act, inter, p[L_DOWN], x, hidden, M, hidden, inter);                    \
+            linear_##SUF(f[3], act, inter, p[L_DOWN], p[L_DOWN_S], x, hidden, M, hidden,       \
+                         inter);                                                               \
         }                                                                                      \
         rms_norm_##SUF(x, hidden, res, hidden, final_norm, out, hidden, M, hidden, eps);       \
         return 0;                                                                              \
     }
 
-DEFINE_DECODE_STEP(decode_step_f32, float, f32)
-DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16)
+DEFINE_DECODE_STEP(decode_step_f32, float, f32, 1)
+DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16, 0)

@@ -10,6 +10,9 @@
 
 /* rows a gemv_* call takes */
 #define GEMV_MAX_ROWS 8
+/* rows a gemv_q*_f32 call takes: GEMV_MAX_ROWS at a time per tile of weights, which the
+ * later groups read from L1 (a tile is 16 weight rows, a few KB as blocks) */
+#define QGEMV_MAX_ROWS 64
 
 /* cpu_ops.c */
 void rms_norm_f32(const float *x, long x_stride, float *residual, long r_stride,
@@ -34,6 +37,13 @@ int gemv_f32(const float *x, long x_stride, const float *w, float *y, long y_str
 int gemv_bf16(const uint16_t *x, long x_stride, const uint16_t *w, uint16_t *y, long y_stride,
               int M, int N, int K);
 
+/* block_quant.c: x [M, K] float32 times GGUF-block-quantized weights (see the file) */
+int gemv_q_covers(int M, int N, int K);
+int gemv_q4_f32(const float *x, long x_stride, const void *qs, const float *scales, float *y,
+                long y_stride, int M, int N, int K);
+int gemv_q8_f32(const float *x, long x_stride, const void *qs, const float *scales, float *y,
+                long y_stride, int M, int N, int K);
+
 /* cpu_attention.c */
 int decode_attention_check(const int32_t *tables, long table_stride, const int32_t *lens,
                            int nd, int H, int Hkv, int D, int block_size, long num_blocks);
@@ -53,15 +63,17 @@ int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, c
 /* decode_step.c */
 long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter);
 int decode_step_layer_ptrs(void);
-int decode_step_f32(const void *const *layers, int num_layers, const float *final_norm,
-                    const float *x_in, float *out, float *work, const float *cos,
-                    const float *sin_signed, const int64_t *slots, const int32_t *tables,
-                    long table_stride, const int32_t *lens, int M, int hidden, int H, int Hkv,
-                    int D, int inter, int block_size, long num_blocks, float eps, float scale);
-int decode_step_bf16(const void *const *layers, int num_layers, const uint16_t *final_norm,
-                     const uint16_t *x_in, uint16_t *out, uint16_t *work, const uint16_t *cos,
-                     const uint16_t *sin_signed, const int64_t *slots, const int32_t *tables,
-                     long table_stride, const int32_t *lens, int M, int hidden, int H, int Hkv,
-                     int D, int inter, int block_size, long num_blocks, float eps, float scale);
+int decode_step_f32(const void *const *layers, const int32_t *formats, int num_layers,
+                    const float *final_norm, const float *x_in, float *out, float *work,
+                    const float *cos, const float *sin_signed, const int64_t *slots,
+                    const int32_t *tables, long table_stride, const int32_t *lens, int M,
+                    int hidden, int H, int Hkv, int D, int inter, int block_size,
+                    long num_blocks, float eps, float scale);
+int decode_step_bf16(const void *const *layers, const int32_t *formats, int num_layers,
+                     const uint16_t *final_norm, const uint16_t *x_in, uint16_t *out,
+                     uint16_t *work, const uint16_t *cos, const uint16_t *sin_signed,
+                     const int64_t *slots, const int32_t *tables, long table_stride,
+                     const int32_t *lens, int M, int hidden, int H, int Hkv, int D, int inter,
+                     int block_size, long num_blocks, float eps, float scale);
 
 #endif

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sarazmq.config import ModelConfig
+from sarazmq.kernels.block_quant import BlockQuantWeight, block_quant_kernels_available
 from sarazmq.kernels.cpu_ops import TORCH_OPS, HotOps
 from sarazmq.kernels.memory import zeros_huge_pages
 from sarazmq.kernels.metadata import AttentionMetadata
@@ -147,6 +148,10 @@ class LlamaForCausalLM(nn.Module):
         # attributes, not parameters or buffers, so state dicts and loaders ignore them
         self._packed: list[dict[str, torch.Tensor | None]] = []
         self._packed_head: torch.Tensor | None = None
+        # the checkpoint's quantized blocks of the same matmul weights, where a float32 model
+        # was loaded from a GGUF file (see load_block_quant_weights); per layer, by name
+        self._blocks: list[dict[str, BlockQuantWeight | None]] = []
+        self._blocks_head: BlockQuantWeight | None = None
         # decode steps of a few sequences through the backend's one-call step where it has
         # one (EngineConfig.enforce_eager turns it off); the step is built for these
         # weights and the KV caches it was given (see _fused_decode_step), under a key
@@ -213,11 +218,15 @@ class LlamaForCausalLM(nn.Module):
                 return out
         residual: torch.Tensor | None = None
         packed = self._packed or [_NO_PACKED] * len(self.layers)
+        blocks = self._blocks or [_NO_BLOCKS] * len(self.layers)
         # elementwise ops: the attention backend's fused kernels when it has them
         ops: HotOps = getattr(self.attention, "ops", TORCH_OPS)
-        for layer, pk, (k_cache, v_cache) in zip(self.layers, packed, kv_caches, strict=True):
+        for layer, pk, bq, (k_cache, v_cache) in zip(
+            self.layers, packed, blocks, kv_caches, strict=True
+        ):
             h, residual = ops.rms_norm_(x, layer.input_layernorm, eps, residual)
-            qkv = ops.linear(h, layer.qkv_proj, layer.qkv_bias, pk["qkv"])  # [T, (Hl + 2 Hkvl) * D]
+            # [T, (Hl + 2 Hkvl) * D]
+            qkv = ops.linear(h, layer.qkv_proj, layer.qkv_bias, pk["qkv"], bq["qkv"])
             qk_size = layer.q_size + layer.kv_size
             # q and k heads are adjacent in the fused output: rotate them together, in place
             qk = ops.apply_rope_(qkv[:, :qk_size].view(t, -1, d), cos, sin)  # [T, Hl + Hkvl, D]
@@ -225,12 +234,14 @@ class LlamaForCausalLM(nn.Module):
             k = qk[:, layer.num_heads :]  # [T, Hkvl, D]
             v = qkv[:, qk_size:].view(t, layer.num_kv_heads, d)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            o = ops.linear(attn.reshape(t, layer.q_size), layer.o_proj, None, pk["o"])
+            o = ops.linear(attn.reshape(t, layer.q_size), layer.o_proj, None, pk["o"], bq["o"])
             x = self._all_reduce(o)  # [T, hidden]
             h, residual = ops.rms_norm_(x, layer.post_attention_layernorm, eps, residual)
-            gate_up = ops.linear(h, layer.gate_up_proj, None, pk["gate_up"])  # [T, 2 Il]
+            # [T, 2 Il]
+            gate_up = ops.linear(h, layer.gate_up_proj, None, pk["gate_up"], bq["gate_up"])
             act = ops.silu_mul(gate_up, layer.inter)  # [T, Il]
-            x = self._all_reduce(ops.linear(act, layer.down_proj, None, pk["down"]))  # [T, hidden]
+            down = ops.linear(act, layer.down_proj, None, pk["down"], bq["down"])  # [T, hidden]
+            x = self._all_reduce(down)
         out, _ = ops.rms_norm_(x, self.norm, eps, residual)
         return out
 
@@ -245,17 +256,18 @@ class LlamaForCausalLM(nn.Module):
             make = getattr(self.attention, "fused_decode_step", None)
             if make is not None and self.tp_size == 1 and self.layers[0].qkv_bias is None:
                 cfg = self.config
+                blocks = self._blocks or [_NO_BLOCKS] * len(self.layers)
                 self._fused_step = make(
                     [
                         (
                             layer.input_layernorm,
-                            layer.qkv_proj,
-                            layer.o_proj,
+                            bq["qkv"] or layer.qkv_proj,
+                            bq["o"] or layer.o_proj,
                             layer.post_attention_layernorm,
-                            layer.gate_up_proj,
-                            layer.down_proj,
+                            bq["gate_up"] or layer.gate_up_proj,
+                            bq["down"] or layer.down_proj,
                         )
-                        for layer in self.layers
+                        for layer, bq in zip(self.layers, blocks, strict=True)
                     ],
                     self.norm,
                     kv_caches,
@@ -277,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         ops: HotOps = getattr(self.attention, "ops", TORCH_OPS)
-        logits = ops.linear(hidden, weight, None, self._packed_head)  # [N, vocab]
+        logits = ops.linear(hidden, weight, None, self._packed_head, self._blocks_head)  # [N, V]
         if out is None:
             return logits.float()
         return out.copy_(logits)
@@ -316,6 +328,7 @@ class LlamaForCausalLM(nn.Module):
         with one unsharded model; use `load_hf_weights` for that."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self._packed, self._packed_head = [], None  # packs of the old weights are stale
+        self._blocks, self._blocks_head = [], None
         self._fused_key = self._fused_step = None
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -337,6 +350,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         loaded: set[str] = set()
         self._packed, self._packed_head = [], None  # packs of the old weights are stale
+        self._blocks, self._blocks_head = [], None
         self._fused_key = self._fused_step = None
         with torch.no_grad():
             for name, tensor in weights:
@@ -360,6 +374,60 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:12])}")
+
+    def wants_block_quant_weights(self) -> bool:
+        """Whether `load_block_quant_weights` would use a checkpoint's quantized blocks: a
+        float32 model on CPU, one rank, with the block kernels built for this CPU."""
+        return (
+            self.embed_tokens.dtype == torch.float32
+            and self.embed_tokens.device.type == "cpu"
+            and self.tp_size == 1
+            and block_quant_kernels_available()
+        )
+
+    def load_block_quant_weights(self, weights: Iterable[tuple[str, BlockQuantWeight]]) -> int:
+        """Keeps a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks of weights already loaded
+        (`load_hf_weights`, dequantized) beside them, named as there, for the float32
+        matrix-vector kernels of decode steps (sarazmq.kernels.block_quant): the same
+        results, a quarter of the bytes streamed. A fused weight (qkv, gate_up) gets blocks
+        only when all its parts come in one format; others keep the float32 path.
+
+        Raises ValueError when blocks do not dequantize to exactly the loaded weight (they
+        would change results). Returns how many matmul weights got blocks (the LM head
+        included).
+        """
+        if not self.wants_block_quant_weights():
+            raise ValueError("block-quantized weights need a float32 CPU model on one rank")
+        parts = dict(weights)
+        fused = {
+            "qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "qkv_proj"),
+            "o": (("self_attn.o_proj",), "o_proj"),
+            "gate_up": (("mlp.gate_proj", "mlp.up_proj"), "gate_up_proj"),
+            "down": (("mlp.down_proj",), "down_proj"),
+        }
+        blocks: list[dict[str, BlockQuantWeight | None]] = []
+        count = 0
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                entry: dict[str, BlockQuantWeight | None] = {}
+                for key, (names, attr) in fused.items():
+                    found = [parts.get(f"model.layers.{i}.{n}.weight") for n in names]
+                    w = None
+                    if all(f is not None for f in found) and len({f.kind for f in found}) == 1:
+                        w = BlockQuantWeight.cat_rows(found)  # type: ignore[arg-type]
+                        _check_blocks(w, getattr(layer, attr), f"layer {i} {attr}")
+                        count += 1
+                    entry[key] = w
+                blocks.append(entry)
+            head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+            head = parts.get(head_name)
+            if head is not None:
+                _check_blocks(head, self.embed_tokens if self.lm_head is None else self.lm_head,
+                              head_name)  # fmt: skip
+                count += 1
+        self._blocks, self._blocks_head = blocks, head
+        self._fused_key = self._fused_step = None  # rebuilt with the blocks
+        return count
 
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -442,6 +510,20 @@ class LlamaForCausalLM(nn.Module):
 
 
 _NO_PACKED: dict[str, torch.Tensor | None] = {"qkv": None, "o": None, "gate_up": None, "down": None}
+_NO_BLOCKS: dict[str, BlockQuantWeight | None] = {
+    "qkv": None,
+    "o": None,
+    "gate_up": None,
+    "down": None,
+}
+
+
+def _check_blocks(blocks: BlockQuantWeight, weight: torch.Tensor, name: str) -> None:
+    if tuple(blocks.shape) != tuple(weight.shape) or not torch.equal(blocks.dequantize(), weight):
+        raise ValueError(
+            f"{name}: the checkpoint's quantized blocks do not hold the loaded weight "
+            f"(blocks {blocks.shape}, weight {tuple(weight.shape)})"
+        )
 
 
 def _cols(tensor: torch.Tensor, rank: int, size: int, name: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -30,8 +31,16 @@ import numpy as np
 import torch
 
 from sarazmq.config import ModelConfig, RopeScaling
+from sarazmq.kernels.block_quant import (
+    BLOCK,
+    GGUF_BLOCK_FORMATS,
+    BlockQuantWeight,
+    from_gguf_blocks,
+)
 
 from .llama import AttentionImpl, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -418,11 +427,11 @@ def reverse_permute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _iter_gguf_weights(
-    source: ModelSource, config: ModelConfig
+    source: ModelSource, config: ModelConfig, reader: Any = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    reader = _gguf_reader(source)
+    reader = reader or _gguf_reader(source)
     arch = _field(reader, "general.architecture")
     permuted = arch in _GGUF_PERMUTED_ARCHS
     for t in reader.tensors:
@@ -442,6 +451,43 @@ def _iter_gguf_weights(
             arr = reverse_permute_qk(arr, config.num_kv_heads)
         # copy: memory-mapped (read-only) data must not back a torch tensor
         yield hf_name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+
+
+def iter_gguf_block_weights(
+    source: ModelSource, config: ModelConfig, reader: Any = None
+) -> Iterator[tuple[str, BlockQuantWeight]]:
+    """The GGUF's matmul and embedding tensors stored in a block format the float32 decode
+    kernels read (Q4_0, Q4_1, Q8_0), as stored, named and row-ordered as `_iter_gguf_weights`
+    names and orders their dequantized values; other tensors are skipped. reader: an open
+    gguf.GGUFReader of the file (opening one parses the whole vocabulary: seconds)."""
+    reader = reader or _gguf_reader(source)
+    permuted = _field(reader, "general.architecture") in _GGUF_PERMUTED_ARCHS
+    for t in reader.tensors:
+        if t.tensor_type.name not in GGUF_BLOCK_FORMATS:
+            continue
+        if t.name in _GGUF_GLOBAL:
+            hf_name = _GGUF_GLOBAL[t.name]
+        else:
+            m = _GGUF_BLOCK_RE.match(t.name)
+            if m is None or m.group(2) not in _GGUF_LAYER:
+                continue  # _iter_gguf_weights reports it
+            hf_name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+        data = np.asarray(t.data)
+        nbytes = GGUF_BLOCK_FORMATS[t.tensor_type.name][1]
+        shape = (data.shape[0], data.shape[1] // nbytes * BLOCK)
+        weight = from_gguf_blocks(data, t.tensor_type.name, shape)
+        heads = (
+            config.num_heads
+            if ".attn_q." in t.name
+            else config.num_kv_heads
+            if ".attn_k." in t.name
+            else 0
+        )
+        if permuted and heads:
+            # the same row order as reverse_permute_qk gives the dequantized tensor
+            order = reverse_permute_qk(np.arange(shape[0]), heads)
+            weight = weight.rows(torch.from_numpy(order))
+        yield hf_name, weight
 
 
 def _iter_safetensors_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
@@ -466,7 +512,17 @@ def load_weights(
             f"(tp_rank={model.tp_rank}, tp_size={model.tp_size})"
         )
     if source.kind == "gguf":
-        model.load_hf_weights(_iter_gguf_weights(source, model.config))
+        reader = _gguf_reader(source)  # parsed once for both passes
+        model.load_hf_weights(_iter_gguf_weights(source, model.config, reader))
+        if model.wants_block_quant_weights():
+            # float32 decode reads the file's own Q4/Q8 blocks: same results, fewer bytes
+            try:
+                model.load_block_quant_weights(
+                    iter_gguf_block_weights(source, model.config, reader)
+                )
+            except ValueError as exc:
+                # blocks that would change a result are a speed-up lost, not a failed load
+                log.warning("decode keeps the float32 weights: %s", exc)
     elif source.kind == "hf":
         model.load_hf_weights(_iter_safetensors_weights(source))
     else:

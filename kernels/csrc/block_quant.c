@@ -1,0 +1,147 @@
+/* Matrix-vector products over block-quantized weights, in float32: the weights a GGUF
+ * checkpoint stores in Q4_0, Q4_1 or Q8_0 (32 weights per block, a float16 scale, Q4_1
+ * also a float16 minimum), read as stored and dequantized in registers.
+ *
+ * A float32 model loaded from such a file holds exactly the dequantized values (gguf's
+ * dequantize: d * q + m with d * q exact in float32, one rounding for the add, which is
+ * what one fma gives). These kernels rebuild those same values in registers and sum them
+ * in gemv_f32's order (cpu_ops.c: one vector partial per row, two chains at one row, the
+ * same hsum16), so the result is bitwise gemv_f32's on the dequantized matrix, while the
+ * bytes streamed per step drop from 4 per weight to 0.75 (Q4) or 1.125 (Q8). Decode of a
+ * few sequences is bound by streaming the weights: this is the whole gain.
+ *
+ * Layouts (made by sarazmq.kernels.block_quant from the GGUF blocks):
+ *   Q4: qs uint8 [N, K/2], per row and block the GGUF's 16 bytes (byte j: low nibble
+ *       weight j, high nibble weight j + 16); dm float32 [N, K/32, 2] = (d, m) per block
+ *       (Q4_0: m = -8 d, exact). weight = fma(d, q, m).
+ *   Q8: qs int8 [N, K]; d float32 [N, K/32]. weight = d * q (exact).
+ * x: [M, K] row stride x_stride; y: [M, N] row stride y_stride; K a multiple of 32.
+ * Returns 0, or -1 (nothing written) when this build or these sizes are not covered. */
+#include "common.h"
+#include "kernels.h"
+
+int gemv_q_covers(int M, int N, int K) {
+#if defined(__AVX512F__)
+    return M >= 1 && M <= QGEMV_MAX_ROWS && N >= 1 && K >= 32 && K % 32 == 0;
+#else
+    (void)M; (void)N; (void)K;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+
+/* The 32 weights of one block as two vectors (weights 0-15, 16-31). */
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *qs, const float *dm,
+                                                           __m512 *lo, __m512 *hi) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* the 16 possible values of this block; vpermps reads the low 4 bits of each index */
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(dm[0]), _mm512_set1_ps(dm[1]));
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    *lo = _mm512_permutexvar_ps(idx, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+}
+
+static inline __attribute__((always_inline)) void q8_block(const int8_t *qs, const float *d,
+                                                           __m512 *lo, __m512 *hi) {
+    const __m512 s = _mm512_set1_ps(d[0]);
+    *lo = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), s);
+    *hi = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))),
+        s);
+}
+
+/* One tile of 16 output rows, as gemv_f32's tile: per output row a vector partial per input
+ * row (at M = 1 a second chain takes the odd 16-weight pieces), then hsum16. BLOCK(r, b,
+ * lo, hi) yields block b of weight row r. */
+#define DEFINE_QGEMV_TILE(NAME, BLOCK)                                                         \
+    static inline __attribute__((always_inline)) void NAME(                                    \
+        const int M, const float *x, long x_stride, const void *qs, const float *sc,           \
+        float *y, long y_stride, int n0, int nn, int K) {                                      \
+        const int KB = K / 32;                                                                 \
+        __m512 acc[GEMV_MAX_ROWS][16];                                                         \
+        for (int i = 0; i < 16; i++) {                                                         \
+            __m512 a[GEMV_MAX_ROWS], b = _mm512_setzero_ps();                                  \
+            for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();                            \
+            if (i < nn) {                                                                      \
+                const long r = n0 + i;                                                         \
+                for (int kb = 0; kb < KB; kb++) {                                              \
+                    __m512 lo, hi;                                                             \
+                    BLOCK(r, kb, &lo, &hi);                                                    \
+                    if (M == 1) {                                                              \
+                        a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * kb), lo, a[0]);        \
+                        b = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * kb + 16), hi, b);         \
+                    } else {                                                                   \
+                        for (int m = 0; m < M; m++)                                            \
+                            a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * x_stride + 32 * kb),\
+                                                   lo, a[m]);                                  \
+                        for (int m = 0; m < M; m++)                                            \
+                            a[m] = _mm512_fmadd_ps(                                            \
+                                _mm512_loadu_ps(x + m * x_stride + 32 * kb + 16), hi, a[m]);   \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            acc[0][i] = _mm512_add_ps(a[0], b);                                                \
+            for (int m = 1; m < M; m++) acc[m][i] = a[m];                                      \
+        }                                                                                      \
+        for (int m = 0; m < M; m++)                                                            \
+            _mm512_mask_storeu_ps(y + (long)m * y_stride + n0, (__mmask16)((1u << nn) - 1u),   \
+                                  hsum16(acc[m]));                                             \
+    }
+
+#define Q4_AT(r, kb, lo, hi)                                                                   \
+    q4_block((const uint8_t *)qs + (r) * (K / 2) + 16L * (kb), sc + ((r) * KB + (kb)) * 2, lo, \
+             hi)
+#define Q8_AT(r, kb, lo, hi)                                                                   \
+    q8_block((const int8_t *)qs + (r) * K + 32L * (kb), sc + (r) * KB + (kb), lo, hi)
+DEFINE_QGEMV_TILE(q4_tile, Q4_AT)
+DEFINE_QGEMV_TILE(q8_tile, Q8_AT)
+
+/* Past GEMV_MAX_ROWS rows the tile is run again for each further group of rows: its weight
+ * blocks then come from L1 (a row's result depends only on its group's size). */
+#define DEFINE_QGEMV(NAME, TILE)                                                               \
+    int NAME(const float *x, long x_stride, const void *qs, const float *scales, float *y,     \
+             long y_stride, int M, int N, int K) {                                             \
+        if (!gemv_q_covers(M, N, K)) return -1;                                                \
+        const long tiles = (N + 15) / 16;                                                      \
+        _Pragma("omp parallel for schedule(static)")                                           \
+        for (long tile = 0; tile < tiles; tile++) {                                            \
+            const int n0 = (int)tile * 16, nn = N - n0 < 16 ? N - n0 : 16;                     \
+            for (int r0 = 0; r0 < M; r0 += GEMV_MAX_ROWS) {                                    \
+                const int g = M - r0 < GEMV_MAX_ROWS ? M - r0 : GEMV_MAX_ROWS;                 \
+                const float *xg = x + (long)r0 * x_stride;                                     \
+                float *yg = y + (long)r0 * y_stride;                                           \
+                switch (g) {                                                                   \
+                case 1: TILE(1, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
+                case 2: TILE(2, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
+                case 3: TILE(3, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
+                case 4: TILE(4, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
+                case 5: TILE(5, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
+                case 6: TILE(6, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
+                case 7: TILE(7, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
+                default: TILE(8, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;    \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        return 0;                                                                              \
+    }
+
+DEFINE_QGEMV(gemv_q4_f32, q4_tile)
+DEFINE_QGEMV(gemv_q8_f32, q8_tile)
+
+#else /* builds without AVX-512: -1, the caller keeps the float32 weights */
+
+int gemv_q4_f32(const float *x, long x_stride, const void *qs, const float *scales, float *y,
+                long y_stride, int M, int N, int K) {
+    (void)x; (void)x_stride; (void)qs; (void)scales; (void)y; (void)y_stride;
+    (void)M; (void)N; (void)K;
+    return -1;
+}
+int gemv_q8_f32(const float *x, long x_stride, const void *qs, const float *scales, float *y,
+                long y_stride, int M, int N, int K) {
+    (void)x; (void)x_stride; (void)qs; (void)scales; (void)y; (void)y_stride;
+    (void)M; (void)N; (void)K;
+    return -1;
+}
+#endif

@@ -1,0 +1,331 @@
+"""GGUF block-quantized weights for float32 decode (kernels/csrc/block_quant.c,
+sarazmq.kernels.block_quant): the blocks must dequantize to exactly gguf's values, the
+kernel must give bitwise the float32 matrix-vector kernel's result on those values, and a
+model that keeps the blocks must give bitwise the results of one that does not, on every
+path (fused step, per op, logits) and from a real GGUF file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from sarazmq.kernels.block_quant import (
+    BlockQuantWeight,
+    block_quant_kernels_available,
+    block_quant_linear,
+    from_gguf_blocks,
+)
+from sarazmq.kernels.cpu_attention import CpuPagedAttention
+from sarazmq.kernels.cpu_ops import _native_functions
+from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, FUSED_MAX_ROWS_BLOCKS, FusedDecodeStep
+from sarazmq.model.llama import LlamaForCausalLM
+from sarazmq.model.loader import load_model, load_model_config, resolve_model
+from tests.test_decode_step import PerOpCpuAttention, _model
+
+pytestmark = pytest.mark.skipif(
+    not block_quant_kernels_available(), reason="no AVX-512 block kernels on this CPU's build"
+)
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _blocks(w: np.ndarray, type_name: str) -> tuple[BlockQuantWeight, np.ndarray]:
+    """(our weight, gguf's dequantized float32) for w [N, K] quantized to type_name."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = quantize(w, qtype)
+    return from_gguf_blocks(raw, type_name, w.shape), dequantize(raw, qtype)
+
+
+def _gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    fn = _native_functions()[("gemv", torch.float32)]  # type: ignore[index]
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty(m, n)
+    assert fn(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), n, m, n, k) == 0
+    return y
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_blocks_dequantize_to_exactly_gguf_values(type_name: str) -> None:
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((40, 96)) * rng.uniform(0.01, 3, (40, 1))).astype(np.float32)
+    blocks, ref = _blocks(w, type_name)
+    assert blocks.kind == ("q8" if type_name == "Q8_0" else "q4")
+    assert blocks.shape == (40, 96)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(ref))
+    assert blocks.nbytes == (40 * 48 + 40 * 3 * 8 if blocks.kind == "q4" else 40 * 96 + 40 * 3 * 4)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("n_k", [(100, 64), (48, 96), (960, 576), (16, 1536)])
+def test_kernel_is_the_float32_kernel_on_the_dequantized_weight(
+    type_name: str, n_k: tuple[int, int]
+) -> None:
+    n, k = n_k
+    rng = np.random.default_rng(n + k)
+    blocks, ref = _blocks((rng.standard_normal((n, k)) * 0.1).astype(np.float32), type_name)
+    w = torch.from_numpy(ref)
+    for m in range(1, 9):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        out = block_quant_linear(x, blocks)
+        assert out is not None and out.shape == (m, n)
+        assert torch.equal(out, _gemv_f32(x, w)), f"{type_name} rows={m}"
+        torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+    # past 8 rows, groups of 8 rows over the same weight tiles: each group bitwise the
+    # float32 kernel on its rows
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(19))
+    out = block_quant_linear(x, blocks)
+    assert out is not None
+    for r0 in (0, 8, 16):
+        assert torch.equal(out[r0 : r0 + 8], _gemv_f32(x[r0 : r0 + 8], w))
+    # strided rows (a view into a wider buffer) read right
+    wide = torch.randn(3, k + 32)
+    assert torch.equal(block_quant_linear(wide[:, :k], blocks), _gemv_f32(wide[:, :k], w))
+
+
+def test_kernel_declines_what_it_does_not_cover() -> None:
+    blocks, _ = _blocks(np.ones((16, 64), np.float32), "Q4_1")
+    assert block_quant_linear(torch.randn(65, 64), blocks) is None  # more rows than it takes
+    assert block_quant_linear(torch.randn(1, 64).bfloat16(), blocks) is None  # float32 only
+    assert block_quant_linear(torch.randn(1, 32), blocks) is None  # another K
+    assert block_quant_linear(torch.randn(64, 2).T, blocks) is None  # column stride 64
+
+
+def test_bad_blocks_are_errors_that_name_the_problem() -> None:
+    raw = quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q4_1)
+    with pytest.raises(ValueError, match="no block kernel for GGUF type Q5_0"):
+        from_gguf_blocks(raw, "Q5_0", (4, 64))
+    with pytest.raises(ValueError, match=r"not a \[4, 96\] matrix"):
+        from_gguf_blocks(raw, "Q4_1", (4, 96))
+    with pytest.raises(ValueError, match="kind must be"):
+        BlockQuantWeight("q5", torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2, 2))
+    with pytest.raises(ValueError, match="do not describe"):
+        BlockQuantWeight("q4", torch.zeros(4, 30, dtype=torch.uint8), torch.zeros(4, 2, 2))
+    q4 = from_gguf_blocks(raw, "Q4_1", (4, 64))
+    q8, _ = _blocks(np.ones((4, 64), np.float32), "Q8_0")
+    with pytest.raises(ValueError, match="cannot stack"):
+        BlockQuantWeight.cat_rows([q4, q8])
+
+
+def test_rows_and_stacking_follow_the_dequantized_rows() -> None:
+    rng = np.random.default_rng(3)
+    a, ref_a = _blocks(rng.standard_normal((8, 64)).astype(np.float32), "Q4_1")
+    b, ref_b = _blocks(rng.standard_normal((4, 64)).astype(np.float32), "Q4_0")
+    stacked = BlockQuantWeight.cat_rows([a, b])
+    assert torch.equal(stacked.dequantize(), torch.from_numpy(np.concatenate([ref_a, ref_b])))
+    perm = torch.tensor([3, 0, 7, 1, 2, 6, 5, 4])
+    assert torch.equal(a.rows(perm).dequantize(), torch.from_numpy(ref_a)[perm])
+
+
+# ---------------------------------------------------------------------------- in the model
+
+# a format per matmul: Q4_1 and Q4_0 stack (both q4); gate Q8_0 with up Q4_1 do not, so
+# gate_up keeps the float32 path while the other three read blocks
+LAYER_TYPES = {
+    "self_attn.q_proj": "Q4_1",
+    "self_attn.k_proj": "Q4_0",
+    "self_attn.v_proj": "Q4_1",
+    "self_attn.o_proj": "Q8_0",
+    "mlp.gate_proj": "Q8_0",
+    "mlp.up_proj": "Q4_1",
+    "mlp.down_proj": "Q4_1",
+}
+
+
+def _quantized_model(
+    backend: CpuPagedAttention, types: dict[str, str] = LAYER_TYPES
+) -> LlamaForCausalLM:
+    """The tiny random model of test_decode_step with every matmul weight replaced by its
+    dequantized GGUF blocks, and (for the caller to attach) the blocks."""
+    model = _model(backend, torch.float32)
+    cfg = model.config
+    q_n, kv_n = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    named = []
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            parts = {
+                "self_attn.q_proj": layer.qkv_proj[:q_n],
+                "self_attn.k_proj": layer.qkv_proj[q_n : q_n + kv_n],
+                "self_attn.v_proj": layer.qkv_proj[q_n + kv_n :],
+                "self_attn.o_proj": layer.o_proj,
+                "mlp.gate_proj": layer.gate_up_proj[:inter],
+                "mlp.up_proj": layer.gate_up_proj[inter:],
+                "mlp.down_proj": layer.down_proj,
+            }
+            for name, view in parts.items():
+                blocks, ref = _blocks(view.numpy().copy(), types[name])
+                view.copy_(torch.from_numpy(ref))
+                named.append((f"model.layers.{i}.{name}.weight", blocks))
+        head, ref = _blocks(model.embed_tokens.numpy().copy(), "Q8_0")
+        model.embed_tokens.copy_(torch.from_numpy(ref))
+        named.append(("model.embed_tokens.weight", head))
+    model._test_blocks = named  # type: ignore[attr-defined]
+    return model
+
+
+ALL_Q4 = dict.fromkeys(LAYER_TYPES, "Q4_1")
+BLOCK_TOKENS = 4  # KV block size of these tests
+PROMPT_LENS = [3 + (5 * i) % 11 for i in range(16)]  # 3..13 tokens, up to 16 sequences
+
+
+def _decode_run(model: LlamaForCausalLM, m: int, steps: int = 3) -> list[torch.Tensor]:
+    """Prefills m prompts into scattered KV blocks, then runs `steps` decode steps of all m;
+    returns every step's hidden states and logits and the final KV caches."""
+    from sarazmq.kernels.metadata import AttentionMetadata
+    from sarazmq.model.llama import allocate_kv_cache
+
+    lens = PROMPT_LENS[:m]
+    per_seq = -(-(max(lens) + steps) // BLOCK_TOKENS)
+    order = torch.randperm(m * per_seq, generator=torch.Generator().manual_seed(5)).tolist()
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(m)]
+    caches = allocate_kv_cache(model.config, m * per_seq, BLOCK_TOKENS, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(m)
+    ids = torch.randint(0, 96, (sum(lens),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    model(ids, pos, caches, AttentionMetadata.build(lens, lens, tables, BLOCK_TOKENS))
+    out = []
+    for step in range(steps):
+        k_lens = [n + step + 1 for n in lens]
+        meta = AttentionMetadata.build([1] * m, k_lens, tables, BLOCK_TOKENS)
+        ids = torch.tensor([(11 * step + 5 * i) % 96 for i in range(m)])
+        hidden = model(ids, torch.tensor([n + step for n in lens]), caches, meta)
+        out += [hidden, model.compute_logits(hidden)]
+    return out + [t for kv in caches for t in kv]
+
+
+@pytest.mark.parametrize(
+    "types,m",
+    [(LAYER_TYPES, m) for m in (1, 2, 3, 5, 8)] + [(ALL_Q4, 2), (ALL_Q4, 12)],
+    ids=[f"mixed-{m}" for m in (1, 2, 3, 5, 8)] + ["all-q4-2", "all-q4-12"],
+)
+def test_model_with_blocks_gives_bitwise_the_float32_results(types: dict[str, str], m: int) -> None:
+    with_blocks = _quantized_model(CpuPagedAttention(), types)
+    mixed = types is LAYER_TYPES
+    assert with_blocks.load_block_quant_weights(with_blocks._test_blocks) == (
+        3 * 3 + 1 if mixed else 3 * 4 + 1
+    )
+    kinds = {k: v and v.kind for k, v in with_blocks._blocks[0].items()}
+    if mixed:
+        assert kinds == {"qkv": "q4", "o": "q8", "gate_up": None, "down": "q4"}
+    # the same weights, no blocks: the fused step on float32 weights (bitwise the per-op
+    # path up to 3 rows, tested in test_decode_step), and per op
+    plain = _model(CpuPagedAttention(), torch.float32)
+    plain.load_state_dict(with_blocks.state_dict())
+    per_op = _model(PerOpCpuAttention(), torch.float32)
+    per_op.load_state_dict(with_blocks.state_dict())
+    # per op with blocks: rows within the matrix-vector kernel's range read the blocks
+    per_op_blocks = _model(PerOpCpuAttention(), torch.float32)
+    per_op_blocks.load_state_dict(with_blocks.state_dict())
+    per_op_blocks.load_block_quant_weights(with_blocks._test_blocks)
+
+    steps = []
+    real_run = FusedDecodeStep.run
+
+    def spy(self: FusedDecodeStep, *args: object) -> torch.Tensor | None:
+        out = real_run(self, *args)  # type: ignore[arg-type]
+        steps.append((self.block_quant, self.max_rows, out is not None))
+        return out
+
+    FusedDecodeStep.run = spy  # type: ignore[method-assign]
+    try:
+        runs = {
+            name: _decode_run(model, m)
+            for name, model in (
+                ("blocks", with_blocks),
+                ("plain", plain),
+                ("per_op", per_op),
+                ("per_op_blocks", per_op_blocks),
+            )
+        }
+    finally:
+        FusedDecodeStep.run = real_run  # type: ignore[method-assign]
+    # a step whose every matmul reads blocks takes up to FUSED_MAX_ROWS_BLOCKS sequences;
+    # one with some float32 matmuls (and the plain model's) up to 6 in float32
+    blocks_rows = FUSED_MAX_ROWS_BLOCKS if not mixed else FUSED_MAX_ROWS[torch.float32]
+    blocks_fused, plain_fused = m <= blocks_rows, m <= FUSED_MAX_ROWS[torch.float32]
+    assert (
+        steps
+        == [(True, blocks_rows, blocks_fused)] * 3
+        + [(False, FUSED_MAX_ROWS[torch.float32], plain_fused)] * 3
+    )
+
+    def same(a: str, b: str) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(runs[a], runs[b], strict=True))
+
+    assert same("per_op_blocks", "per_op")
+    if blocks_fused == plain_fused:
+        assert same("blocks", "plain")
+    else:  # oneDNN's matmuls on one side: float32 sums in another order
+        for x, y in zip(runs["blocks"], runs["plain"], strict=True):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    if m <= 3:  # within the float32 matrix-vector kernel's rows the two paths agree
+        assert same("blocks", "per_op")
+
+
+def test_blocks_that_do_not_hold_the_weight_are_refused() -> None:
+    model = _quantized_model(CpuPagedAttention())
+    named = list(model._test_blocks)
+    name, blocks = named[3]  # layer 0 o_proj
+    bad_scales = blocks.scales.clone()
+    bad_scales[0, 0] *= 2
+    named[3] = (name, BlockQuantWeight(blocks.kind, blocks.qs, bad_scales))
+    with pytest.raises(ValueError, match="layer 0 o_proj: the checkpoint's quantized blocks"):
+        model.load_block_quant_weights(named)
+    bf16 = _model(CpuPagedAttention(), torch.bfloat16)
+    assert not bf16.wants_block_quant_weights()
+    with pytest.raises(ValueError, match="float32 CPU model"):
+        bf16.load_block_quant_weights(model._test_blocks)
+    # new weights drop the blocks of the old ones
+    model.load_block_quant_weights(model._test_blocks)
+    assert model._blocks
+    model.random_init_(seed=1)
+    assert not model._blocks and model._blocks_head is None
+
+
+def test_gguf_file_blocks_are_kept_for_float32(tmp_path: Path) -> None:
+    from tests.test_model import _run_chunks, _save_hf, _write_tiny_gguf
+
+    hf = _save_hf(tmp_path, "untied")  # llama: Q/K rows permuted in the file; own lm_head
+    path = tmp_path / "q.gguf"
+    _write_tiny_gguf(hf, path, "llama", quant={**LAYER_TYPES, "lm_head": "Q8_0"})
+    source = resolve_model(str(path))
+    config = load_model_config(source)
+    model = load_model(source, config, torch.float32, "cpu", CpuPagedAttention())
+    assert len(model._blocks) == config.num_layers
+    assert model._blocks[1]["qkv"] is not None and model._blocks[1]["gate_up"] is None
+    assert model._blocks_head is not None and model._blocks_head.kind == "q8"
+    # the file's dequantized weights (load_hf_weights) are what the blocks hold: checked
+    # on load; and the model's logits are those of the same model without blocks
+    ids = [5, 9, 2, 77, 31, 4, 18]
+    with_blocks = _run_chunks(model, ids, chunk=1)  # one token at a time: decode rows
+    model._blocks, model._blocks_head, model._fused_key = [], None, None
+    assert torch.equal(with_blocks, _run_chunks(model, ids, chunk=1))
+    bf16 = load_model(source, config, torch.bfloat16, "cpu", CpuPagedAttention())
+    assert not bf16._blocks and bf16._blocks_head is None
+
+
+def test_blocks_that_would_change_results_are_dropped_on_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a loader bug that garbled the blocks must cost speed, never results or the load
+    import sarazmq.model.loader as loader
+    from tests.test_model import _save_hf, _write_tiny_gguf
+
+    path = tmp_path / "q.gguf"
+    _write_tiny_gguf(_save_hf(tmp_path, "llama"), path, "llama", quant=LAYER_TYPES)
+    real = loader.from_gguf_blocks
+
+    def garbled(*args: object) -> BlockQuantWeight:
+        w = real(*args)  # type: ignore[arg-type]
+        return BlockQuantWeight(w.kind, w.qs, w.scales * 2)
+
+    monkeypatch.setattr(loader, "from_gguf_blocks", garbled)
+    source = resolve_model(str(path))
+    model = load_model(source, load_model_config(source), torch.float32, "cpu", CpuPagedAttention())
+    assert not model._blocks and model._blocks_head is None
+    assert "decode keeps the float32 weights" in caplog.text
