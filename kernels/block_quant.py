@@ -1,13 +1,13 @@
-"""GGUF block-quantized weights kept as stored, for float32 decode (kernels/csrc/block_quant.c).
+"""GGUF block-quantized weights kept as stored, for decode (kernels/csrc/block_quant.c).
 
-A float32 model loaded from a GGUF file holds the dequantized weights: 4 bytes per weight
-where the file stores 0.56-1.06. Decode steps of a few sequences are bound by streaming
-those weights, so the loader also keeps the file's Q4_0 / Q4_1 / Q8_0 blocks
-(`BlockQuantWeight`), and the matrix-vector kernel dequantizes them in registers into the
-very float32 values the model holds and sums them in the float32 kernel's order: bitwise
-the same result at 1/3.9 of the bytes for Q4 (0.75 bytes a weight with the scales widened
-to float32). Nothing is re-quantized and no accuracy is traded; it is the checkpoint's
-own precision.
+A model loaded from a GGUF file holds the dequantized weights: 4 bytes per weight in
+float32, 2 in bf16, where the file stores 0.56-1.06. Decode steps of a few sequences are
+bound by streaming those weights, so the loader also keeps the file's Q4_0 / Q4_1 / Q8_0
+blocks (`BlockQuantWeight`), and the matrix-vector kernel dequantizes them in registers
+into the very values the model holds (bf16: rounded to bf16 as the model's weights were)
+and sums them in the plain kernel's order: bitwise the same result from 0.75 bytes a Q4
+weight (the scales widened to float32). Nothing is re-quantized and no accuracy is
+traded; it is the checkpoint's own precision.
 
 `block_quant_linear` is the entry point (None where the kernel does not apply: more rows
 than it takes, another dtype); `BlockQuantWeight.dequantize` is the plain-PyTorch
@@ -143,45 +143,54 @@ def from_gguf_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -
     )
 
 
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 class _Kernels:
     def __init__(self) -> None:
         lib = load_library()
-        self.fns: dict[str, ctypes._CFuncPtr] = {}
+        self.fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        self.available: dict[torch.dtype, bool] = {}
         if lib is None:
             return
-        for kind in ("q4", "q8"):
-            fn = getattr(lib, f"gemv_{kind}_f32")
-            fn.argtypes = _ARGTYPES
-            fn.restype = _I
-            self.fns[kind] = fn
+        covers = {torch.float32: lib.gemv_q_covers, torch.bfloat16: lib.gemv_q_bf16_covers}
+        for dtype, suffix in _SUFFIX.items():
+            self.available[dtype] = bool(covers[dtype](1, 1, BLOCK))
+            for kind in ("q4", "q8"):
+                fn = getattr(lib, f"gemv_{kind}_{suffix}")
+                fn.argtypes = _ARGTYPES
+                fn.restype = _I
+                self.fns[(kind, dtype)] = fn
 
 
 _kernels: list[_Kernels] = []
 
 
-def _fns() -> dict[str, ctypes._CFuncPtr]:
+def _get() -> _Kernels:
     if not _kernels:
         _kernels.append(_Kernels())
-    return _kernels[0].fns
+    return _kernels[0]
 
 
-def block_quant_kernels_available() -> bool:
-    """Whether the block matrix-vector kernels built and cover this CPU (AVX-512)."""
-    lib = load_library()
-    return lib is not None and bool(lib.gemv_q_covers(1, 1, BLOCK))
+def block_quant_kernels_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the block matrix-vector kernels for `dtype` activations built for this CPU
+    (float32: AVX-512; bf16: also AVX512-BF16)."""
+    return _get().available.get(dtype, False)
 
 
 def block_quant_linear(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tensor | None:
-    """x [M, K] float32 @ weight^T -> [M, N] float32, bitwise `gemv_f32` on the dequantized
-    weight; None (nothing computed) where the kernel does not apply (another dtype or
-    device, more than 64 rows (QGEMV_MAX_ROWS), a non-unit column stride, no AVX-512).
-    Rows are taken 8 at a time (GEMV_MAX_ROWS) per weight tile; within each group the
-    sums are gemv_f32's."""
-    fn = _fns().get(weight.kind)
+    """x [M, K] (float32 or bf16) @ weight^T -> [M, N] in x's dtype: bitwise `gemv_f32` /
+    `gemv_bf16` on the dequantized weight (bf16: rounded to bf16, as a bf16 model holds it);
+    None (nothing computed) where the kernel does not apply (another dtype or device, more
+    than 64 rows (QGEMV_MAX_ROWS), a non-unit column stride, no AVX-512 / AVX512-BF16).
+    Rows are taken 8 at a time (GEMV_MAX_ROWS) per weight tile; within each group the sums
+    are the plain kernel's."""
+    kernels = _get()
+    fn = kernels.fns.get((weight.kind, x.dtype))
     n, k = weight.shape
     if (
         fn is None
-        or x.dtype != torch.float32
+        or not kernels.available.get(x.dtype, False)
         or x.device.type != "cpu"
         or x.dim() != 2
         or x.shape[1] != k
@@ -189,7 +198,16 @@ def block_quant_linear(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tenso
     ):
         return None
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
-    rc = fn(x.data_ptr(), x.stride(0), weight.qs.data_ptr(), weight.scales.data_ptr(),
-            out.data_ptr(), n, m, n, k)  # fmt: skip
+    out = torch.empty((m, n), dtype=x.dtype)
+    rc = fn(
+        x.data_ptr(),
+        x.stride(0),
+        weight.qs.data_ptr(),
+        weight.scales.data_ptr(),
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+    )
     return out if rc == 0 else None

@@ -11,11 +11,12 @@ the per-op path's matmuls are oneDNN's and the fused step keeps the matrix-vecto
 (float32 sums in another order), still faster with the Python gone, up to 8 sequences in
 bf16 and 6 in float32 (`FUSED_MAX_ROWS`).
 
-A float32 model loaded from a GGUF file passes its matmuls as the file's quantized blocks
-(`BlockQuantWeight`, kernels/csrc/block_quant.c): the kernel rebuilds the very float32
-weights in registers and sums them in the matrix-vector kernel's order, so the results
-stay bitwise while a step streams a quarter of the bytes; where every matmul reads blocks
-the step takes up to `FUSED_MAX_ROWS_BLOCKS` sequences.
+A model loaded from a GGUF file passes its matmuls as the file's quantized blocks
+(`BlockQuantWeight`, kernels/csrc/block_quant.c): the kernel rebuilds the very weights the
+model holds (float32, or those rounded to bf16) in registers and sums them in the
+matrix-vector kernel's order, so the results stay bitwise while a step streams a fifth
+(float32) or a third (bf16) of the bytes; where every matmul reads blocks the step takes
+up to `FUSED_MAX_ROWS_BLOCKS` sequences.
 
 Built by the model (`LlamaForCausalLM`) from its weights and KV caches when the attention
 backend offers it (`CpuPagedAttention.fused_decode_step`); `run` returns None wherever it
@@ -68,11 +69,12 @@ _SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"
 # 1, 1.21-1.25x at 4, 1.11x at 6, 0.95-1.07x at 8, 0.85x at 12. The C matrix-vector kernel
 # takes at most 8 rows (GEMV_MAX_ROWS in kernels.h).
 FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
-# float32 with every matmul as the GGUF's quantized blocks (a quarter of the bytes; past 8
-# rows the kernel takes them 8 at a time per weight tile), same-process A/B against the
-# per-op path: 1.58x at 1, 1.43x at 2, 2.07x at 4, 1.64x at 6, 1.56x at 8, 1.32x at 12,
-# 1.16x at 16, 1.11x at 24, 1.07x at 32, 0.99x at 64
-FUSED_MAX_ROWS_BLOCKS = 32
+# With every matmul as the GGUF's quantized blocks (0.75 bytes a Q4 weight; past 8 rows the
+# kernel takes them 8 at a time per weight tile), same-process A/B against the per-op
+# path: float32 1.58x at 1, 1.43x at 2, 2.07x at 4, 1.64x at 6, 1.56x at 8, 1.32x at 12,
+# 1.16x at 16, 1.11x at 24, 1.07x at 32, 0.99x at 64; bf16 1.60x at 1, 1.52x at 2, 1.95x
+# at 4, 1.51x at 8, 1.16x at 16, 1.01x at 32, 0.94x at 64
+FUSED_MAX_ROWS_BLOCKS = {torch.bfloat16: 16, torch.float32: 32}
 
 
 Matmul = torch.Tensor | BlockQuantWeight
@@ -82,8 +84,8 @@ _FORMAT = {"q4": 1, "q8": 2}  # decode_step.c's W_Q4, W_Q8 (W_PLAIN = 0)
 
 
 class DecodeLayerWeights(NamedTuple):
-    """One decoder layer's tensors, as the fused step reads them (all contiguous). A float32
-    step also takes a matmul as the checkpoint's blocks (`BlockQuantWeight`, read by
+    """One decoder layer's tensors, as the fused step reads them (all contiguous). A step
+    also takes a matmul as the checkpoint's blocks (`BlockQuantWeight`, read by
     kernels/csrc/block_quant.c: bitwise the same result, a fraction of the bytes)."""
 
     input_norm: torch.Tensor  # [hidden]
@@ -128,10 +130,6 @@ class FusedDecodeStep:
             for t in weights:
                 (blocks if isinstance(t, BlockQuantWeight) else tensors).append(t)
             tensors.extend(caches)
-        if blocks and dtype != torch.float32:
-            raise ValueError(
-                f"fused decode step: block-quantized weights need float32, not {dtype}"
-            )
         for t in tensors:
             if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(
@@ -199,7 +197,8 @@ class FusedDecodeStep:
     @property
     def max_rows(self) -> int:
         """The most sequences one step takes."""
-        return FUSED_MAX_ROWS_BLOCKS if self._all_blocks else FUSED_MAX_ROWS[self.dtype]
+        table = FUSED_MAX_ROWS_BLOCKS if self._all_blocks else FUSED_MAX_ROWS
+        return table[self.dtype]
 
     def run(
         self,

@@ -60,7 +60,7 @@ PREFILL_CHUNK = 512
 DECODE_CTX = 512
 DECODE_BATCHES = (1, 16, 64)
 # decode batches for the fused-step A/B, those the model's fused step takes (up to 8
-# sequences in bf16, 6 in float32, 32 where a float32 model reads a GGUF's blocks)
+# sequences in bf16, 6 in float32; 16 and 32 where the model reads a GGUF's blocks)
 EAGER_AB_BATCHES = (1, 4, 8, 16, 32)
 HYBRID_CHUNK = 256
 HYBRID_DECODES = 32
@@ -112,9 +112,8 @@ class ModelCost:
     q_width: int  # num_heads * head_dim
     kv_width: int  # num_kv_heads * head_dim
     elem: int  # bytes per element in the run dtype
-    # weight bytes a decode step of at most `block_rows` sequences reads, where a float32
-    # model reads the GGUF's quantized blocks there (None: every step reads run-dtype
-    # weights)
+    # weight bytes a decode step of at most `block_rows` sequences reads, where the model
+    # reads the GGUF's quantized blocks there (None: every step reads run-dtype weights)
     block_weight_bytes: int | None = None
     block_rows: int = 0
 
@@ -173,7 +172,7 @@ def model_cost(llm: LLM, dtype: torch.dtype) -> ModelCost:
         kv_width=cfg.num_kv_heads * cfg.head_dim,
         elem=elem,
         block_weight_bytes=block_bytes,
-        block_rows=FUSED_MAX_ROWS_BLOCKS if block_bytes is not None else 0,
+        block_rows=FUSED_MAX_ROWS_BLOCKS[dtype] if block_bytes is not None else 0,
     )
 
 

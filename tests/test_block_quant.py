@@ -41,10 +41,23 @@ def _blocks(w: np.ndarray, type_name: str) -> tuple[BlockQuantWeight, np.ndarray
     return from_gguf_blocks(raw, type_name, w.shape), dequantize(raw, qtype)
 
 
-def _gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    fn = _native_functions()[("gemv", torch.float32)]  # type: ignore[index]
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not block_quant_kernels_available(torch.bfloat16), reason="no AVX512-BF16"
+        ),
+    ),
+]
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The plain matrix-vector kernel (gemv_f32 / gemv_bf16) on x's rows (at most 8)."""
+    fn = _native_functions()[("gemv", x.dtype)]  # type: ignore[index]
+    w = w.to(x.dtype).contiguous()
     (m, k), n = x.shape, w.shape[0]
-    y = torch.empty(m, n)
+    y = torch.empty(m, n, dtype=x.dtype)
     assert fn(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), n, m, n, k) == 0
     return y
 
@@ -60,37 +73,41 @@ def test_blocks_dequantize_to_exactly_gguf_values(type_name: str) -> None:
     assert blocks.nbytes == (40 * 48 + 40 * 3 * 8 if blocks.kind == "q4" else 40 * 96 + 40 * 3 * 4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("n_k", [(100, 64), (48, 96), (960, 576), (16, 1536)])
-def test_kernel_is_the_float32_kernel_on_the_dequantized_weight(
-    type_name: str, n_k: tuple[int, int]
+def test_kernel_is_the_plain_kernel_on_the_dequantized_weight(
+    dtype: torch.dtype, type_name: str, n_k: tuple[int, int]
 ) -> None:
+    # bf16: the weights a bf16 model holds are the dequantized ones rounded to bf16
     n, k = n_k
     rng = np.random.default_rng(n + k)
     blocks, ref = _blocks((rng.standard_normal((n, k)) * 0.1).astype(np.float32), type_name)
     w = torch.from_numpy(ref)
+    tol = 1e-4 if dtype == torch.float32 else 0.02
     for m in range(1, 9):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         out = block_quant_linear(x, blocks)
-        assert out is not None and out.shape == (m, n)
-        assert torch.equal(out, _gemv_f32(x, w)), f"{type_name} rows={m}"
-        torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+        assert out is not None and out.shape == (m, n) and out.dtype == dtype
+        assert torch.equal(out, _gemv(x, w)), f"{type_name} rows={m}"
+        ref_out = x.float() @ w.to(dtype).float().T
+        torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
     # past 8 rows, groups of 8 rows over the same weight tiles: each group bitwise the
-    # float32 kernel on its rows
-    x = torch.randn(19, k, generator=torch.Generator().manual_seed(19))
+    # plain kernel on its rows
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(19)).to(dtype)
     out = block_quant_linear(x, blocks)
     assert out is not None
     for r0 in (0, 8, 16):
-        assert torch.equal(out[r0 : r0 + 8], _gemv_f32(x[r0 : r0 + 8], w))
+        assert torch.equal(out[r0 : r0 + 8], _gemv(x[r0 : r0 + 8], w))
     # strided rows (a view into a wider buffer) read right
-    wide = torch.randn(3, k + 32)
-    assert torch.equal(block_quant_linear(wide[:, :k], blocks), _gemv_f32(wide[:, :k], w))
+    wide = torch.randn(3, k + 32).to(dtype)
+    assert torch.equal(block_quant_linear(wide[:, :k], blocks), _gemv(wide[:, :k], w))
 
 
 def test_kernel_declines_what_it_does_not_cover() -> None:
     blocks, _ = _blocks(np.ones((16, 64), np.float32), "Q4_1")
     assert block_quant_linear(torch.randn(65, 64), blocks) is None  # more rows than it takes
-    assert block_quant_linear(torch.randn(1, 64).bfloat16(), blocks) is None  # float32 only
+    assert block_quant_linear(torch.randn(1, 64).half(), blocks) is None  # float32, bf16 only
     assert block_quant_linear(torch.randn(1, 32), blocks) is None  # another K
     assert block_quant_linear(torch.randn(64, 2).T, blocks) is None  # column stride 64
 
@@ -137,11 +154,14 @@ LAYER_TYPES = {
 
 
 def _quantized_model(
-    backend: CpuPagedAttention, types: dict[str, str] = LAYER_TYPES
+    backend: CpuPagedAttention,
+    types: dict[str, str] = LAYER_TYPES,
+    dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
     """The tiny random model of test_decode_step with every matmul weight replaced by its
-    dequantized GGUF blocks, and (for the caller to attach) the blocks."""
-    model = _model(backend, torch.float32)
+    dequantized GGUF blocks (in `dtype`, as the loader leaves them), and (for the caller
+    to attach) the blocks."""
+    model = _model(backend, dtype)
     cfg = model.config
     q_n, kv_n = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter = cfg.intermediate_size
@@ -158,10 +178,10 @@ def _quantized_model(
                 "mlp.down_proj": layer.down_proj,
             }
             for name, view in parts.items():
-                blocks, ref = _blocks(view.numpy().copy(), types[name])
+                blocks, ref = _blocks(view.float().numpy(), types[name])
                 view.copy_(torch.from_numpy(ref))
                 named.append((f"model.layers.{i}.{name}.weight", blocks))
-        head, ref = _blocks(model.embed_tokens.numpy().copy(), "Q8_0")
+        head, ref = _blocks(model.embed_tokens.float().numpy(), "Q8_0")
         model.embed_tokens.copy_(torch.from_numpy(ref))
         named.append(("model.embed_tokens.weight", head))
     model._test_blocks = named  # type: ignore[attr-defined]
@@ -183,7 +203,8 @@ def _decode_run(model: LlamaForCausalLM, m: int, steps: int = 3) -> list[torch.T
     per_seq = -(-(max(lens) + steps) // BLOCK_TOKENS)
     order = torch.randperm(m * per_seq, generator=torch.Generator().manual_seed(5)).tolist()
     tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(m)]
-    caches = allocate_kv_cache(model.config, m * per_seq, BLOCK_TOKENS, torch.float32, "cpu")
+    dtype = model.embed_tokens.dtype
+    caches = allocate_kv_cache(model.config, m * per_seq, BLOCK_TOKENS, dtype, "cpu")
     g = torch.Generator().manual_seed(m)
     ids = torch.randint(0, 96, (sum(lens),), generator=g)
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -198,13 +219,16 @@ def _decode_run(model: LlamaForCausalLM, m: int, steps: int = 3) -> list[torch.T
     return out + [t for kv in caches for t in kv]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "types,m",
-    [(LAYER_TYPES, m) for m in (1, 2, 3, 5, 8)] + [(ALL_Q4, 2), (ALL_Q4, 12)],
-    ids=[f"mixed-{m}" for m in (1, 2, 3, 5, 8)] + ["all-q4-2", "all-q4-12"],
+    [(LAYER_TYPES, m) for m in (1, 2, 3, 5, 8)] + [(ALL_Q4, m) for m in (2, 12, 16)],
+    ids=[f"mixed-{m}" for m in (1, 2, 3, 5, 8)] + [f"all-q4-{m}" for m in (2, 12, 16)],
 )
-def test_model_with_blocks_gives_bitwise_the_float32_results(types: dict[str, str], m: int) -> None:
-    with_blocks = _quantized_model(CpuPagedAttention(), types)
+def test_model_with_blocks_gives_bitwise_the_plain_results(
+    dtype: torch.dtype, types: dict[str, str], m: int
+) -> None:
+    with_blocks = _quantized_model(CpuPagedAttention(), types, dtype)
     mixed = types is LAYER_TYPES
     assert with_blocks.load_block_quant_weights(with_blocks._test_blocks) == (
         3 * 3 + 1 if mixed else 3 * 4 + 1
@@ -212,14 +236,14 @@ def test_model_with_blocks_gives_bitwise_the_float32_results(types: dict[str, st
     kinds = {k: v and v.kind for k, v in with_blocks._blocks[0].items()}
     if mixed:
         assert kinds == {"qkv": "q4", "o": "q8", "gate_up": None, "down": "q4"}
-    # the same weights, no blocks: the fused step on float32 weights (bitwise the per-op
+    # the same weights, no blocks: the fused step on plain weights (bitwise the per-op
     # path up to 3 rows, tested in test_decode_step), and per op
-    plain = _model(CpuPagedAttention(), torch.float32)
+    plain = _model(CpuPagedAttention(), dtype)
     plain.load_state_dict(with_blocks.state_dict())
-    per_op = _model(PerOpCpuAttention(), torch.float32)
+    per_op = _model(PerOpCpuAttention(), dtype)
     per_op.load_state_dict(with_blocks.state_dict())
     # per op with blocks: rows within the matrix-vector kernel's range read the blocks
-    per_op_blocks = _model(PerOpCpuAttention(), torch.float32)
+    per_op_blocks = _model(PerOpCpuAttention(), dtype)
     per_op_blocks.load_state_dict(with_blocks.state_dict())
     per_op_blocks.load_block_quant_weights(with_blocks._test_blocks)
 
@@ -245,14 +269,11 @@ def test_model_with_blocks_gives_bitwise_the_float32_results(types: dict[str, st
     finally:
         FusedDecodeStep.run = real_run  # type: ignore[method-assign]
     # a step whose every matmul reads blocks takes up to FUSED_MAX_ROWS_BLOCKS sequences;
-    # one with some float32 matmuls (and the plain model's) up to 6 in float32
-    blocks_rows = FUSED_MAX_ROWS_BLOCKS if not mixed else FUSED_MAX_ROWS[torch.float32]
-    blocks_fused, plain_fused = m <= blocks_rows, m <= FUSED_MAX_ROWS[torch.float32]
-    assert (
-        steps
-        == [(True, blocks_rows, blocks_fused)] * 3
-        + [(False, FUSED_MAX_ROWS[torch.float32], plain_fused)] * 3
-    )
+    # one with some plain matmuls, and the plain model's, up to FUSED_MAX_ROWS
+    plain_rows = FUSED_MAX_ROWS[dtype]
+    blocks_rows = plain_rows if mixed else FUSED_MAX_ROWS_BLOCKS[dtype]
+    blocks_fused, plain_fused = m <= blocks_rows, m <= plain_rows
+    assert steps == [(True, blocks_rows, blocks_fused)] * 3 + [(False, plain_rows, plain_fused)] * 3
 
     def same(a: str, b: str) -> bool:
         return all(torch.equal(x, y) for x, y in zip(runs[a], runs[b], strict=True))
@@ -261,9 +282,10 @@ def test_model_with_blocks_gives_bitwise_the_float32_results(types: dict[str, st
     if blocks_fused == plain_fused:
         assert same("blocks", "plain")
     else:  # oneDNN's matmuls on one side: float32 sums in another order
+        tol = 1e-4 if dtype == torch.float32 else 0.05
         for x, y in zip(runs["blocks"], runs["plain"], strict=True):
-            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
-    if m <= 3:  # within the float32 matrix-vector kernel's rows the two paths agree
+            torch.testing.assert_close(x, y, atol=tol, rtol=tol)
+    if m <= 3:  # within the plain matrix-vector kernel's rows the two paths agree
         assert same("blocks", "per_op")
 
 
@@ -276,10 +298,10 @@ def test_blocks_that_do_not_hold_the_weight_are_refused() -> None:
     named[3] = (name, BlockQuantWeight(blocks.kind, blocks.qs, bad_scales))
     with pytest.raises(ValueError, match="layer 0 o_proj: the checkpoint's quantized blocks"):
         model.load_block_quant_weights(named)
-    bf16 = _model(CpuPagedAttention(), torch.bfloat16)
-    assert not bf16.wants_block_quant_weights()
-    with pytest.raises(ValueError, match="float32 CPU model"):
-        bf16.load_block_quant_weights(model._test_blocks)
+    half = _model(CpuPagedAttention(), torch.float16)
+    assert not half.wants_block_quant_weights()
+    with pytest.raises(ValueError, match="float32 or bf16 CPU model"):
+        half.load_block_quant_weights(model._test_blocks)
     # new weights drop the blocks of the old ones
     model.load_block_quant_weights(model._test_blocks)
     assert model._blocks
@@ -287,7 +309,7 @@ def test_blocks_that_do_not_hold_the_weight_are_refused() -> None:
     assert not model._blocks and model._blocks_head is None
 
 
-def test_gguf_file_blocks_are_kept_for_float32(tmp_path: Path) -> None:
+def test_gguf_file_blocks_are_kept_for_float32_and_bf16(tmp_path: Path) -> None:
     from tests.test_model import _run_chunks, _save_hf, _write_tiny_gguf
 
     hf = _save_hf(tmp_path, "untied")  # llama: Q/K rows permuted in the file; own lm_head
@@ -305,8 +327,13 @@ def test_gguf_file_blocks_are_kept_for_float32(tmp_path: Path) -> None:
     with_blocks = _run_chunks(model, ids, chunk=1)  # one token at a time: decode rows
     model._blocks, model._blocks_head, model._fused_key = [], None, None
     assert torch.equal(with_blocks, _run_chunks(model, ids, chunk=1))
-    bf16 = load_model(source, config, torch.bfloat16, "cpu", CpuPagedAttention())
-    assert not bf16._blocks and bf16._blocks_head is None
+    if block_quant_kernels_available(torch.bfloat16):
+        # bf16: the blocks hold the weights rounded to bf16, and the results are the same
+        bf16 = load_model(source, config, torch.bfloat16, "cpu", CpuPagedAttention())
+        assert bf16._blocks and bf16._blocks_head is not None
+        with_blocks = _run_chunks(bf16, ids, chunk=1, dtype=torch.bfloat16)
+        bf16._blocks, bf16._blocks_head, bf16._fused_key = [], None, None
+        assert torch.equal(with_blocks, _run_chunks(bf16, ids, chunk=1, dtype=torch.bfloat16))
 
 
 def test_blocks_that_would_change_results_are_dropped_on_load(
@@ -328,4 +355,4 @@ def test_blocks_that_would_change_results_are_dropped_on_load(
     source = resolve_model(str(path))
     model = load_model(source, load_model_config(source), torch.float32, "cpu", CpuPagedAttention())
     assert not model._blocks and model._blocks_head is None
-    assert "decode keeps the float32 weights" in caplog.text
+    assert "decode keeps the dequantized weights" in caplog.text

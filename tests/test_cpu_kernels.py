@@ -461,9 +461,10 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "used_bf16, same = compare_with_per_op(torch.bfloat16, 2)\n"
         "assert same\n"
         "print('fused', used_f32, used_bf16)\n"
-        # the GGUF block kernels need AVX-512 (not its BF16 part); without it none load
+        # the GGUF block kernels need AVX-512, and for bf16 activations AVX512-BF16
         "from sarazmq.kernels.block_quant import block_quant_kernels_available\n"
-        "print('blocks', block_quant_kernels_available())\n"
+        "print('blocks', block_quant_kernels_available(torch.float32),\n"
+        "      block_quant_kernels_available(torch.bfloat16))\n"
     )
     env = dict(os.environ, CC=str(wrapper), SARAZMQ_CACHE=str(tmp_path / "cache"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -475,7 +476,8 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
     # no AVX-512: no GEMV, so no fused step; AVX-512 without BF16: float32 only
     expected = "fused False False" if no_flag == "-mno-avx512f" else "fused True False"
     assert expected in proc.stdout
-    assert ("blocks False" if no_flag == "-mno-avx512f" else "blocks True") in proc.stdout
+    blocks = "blocks False False" if no_flag == "-mno-avx512f" else "blocks True False"
+    assert blocks in proc.stdout
 
 
 def test_out_of_range_slots_and_blocks_are_errors_not_stray_writes() -> None:

@@ -95,11 +95,15 @@ def _hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 def _run_chunks(
-    model: LlamaForCausalLM, ids: list[int], chunk: int, num_blocks: int = 16
+    model: LlamaForCausalLM,
+    ids: list[int],
+    chunk: int,
+    num_blocks: int = 16,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Prefills `ids` in chunks through the paged cache; returns logits of every token."""
     cfg = model.config
-    caches = allocate_kv_cache(cfg, num_blocks, BLOCK, torch.float32, "cpu", model.tp_size)
+    caches = allocate_kv_cache(cfg, num_blocks, BLOCK, dtype, "cpu", model.tp_size)
     # scattered, non-monotonic block table to exercise paging
     table = list(range(num_blocks - 1, -1, -1))[: (len(ids) + BLOCK - 1) // BLOCK]
     outs = []

@@ -160,15 +160,16 @@ def test_native_cpu_backend_in_bf16_is_as_close_to_float32_as_torch(
     assert errs["cpu"] <= 1.5 * errs["torch"] + 0.1, errs
 
 
-def test_float32_model_reads_the_gguf_blocks_and_they_change_nothing(
-    source: ModelSource, config: ModelConfig
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_reads_the_gguf_blocks_and_they_change_nothing(
+    source: ModelSource, config: ModelConfig, dtype: torch.dtype
 ) -> None:
     # the default model's file stores Q4_1 matmuls and a Q8_0 embedding (the tied LM
-    # head): a float32 model keeps them for its decode matmuls, with bitwise the results
-    # of the dequantized float32 weights
-    model = load_model(source, config, torch.float32, "cpu", CpuPagedAttention())
+    # head): the model keeps them for its decode matmuls, with bitwise the results of the
+    # dequantized weights (bf16: rounded to bf16)
+    model = load_model(source, config, dtype, "cpu", CpuPagedAttention())
     if not model._blocks:
-        pytest.skip("no AVX-512 block kernels on this CPU's build")
+        pytest.skip(f"no block kernels for {dtype} on this CPU's build")
     kinds = {(k, b[k].kind) for b in model._blocks for k in b if b[k] is not None}
     assert kinds == {("qkv", "q4"), ("o", "q4"), ("gate_up", "q4"), ("down", "q4")}
     assert model._blocks_head is not None and model._blocks_head.kind == "q8"

@@ -98,10 +98,74 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *qs, con
 DEFINE_QGEMV_TILE(q4_tile, Q4_AT)
 DEFINE_QGEMV_TILE(q8_tile, Q8_AT)
 
+#if defined(__AVX512BF16__)
+/* bf16: a bf16 model holds the dequantized weights rounded to bf16 (to nearest even), which
+ * cvtne2ps gives from the float32 values; each block's 32 weights are then one VDPBF16PS
+ * operand, as one 32-element piece of gemv_bf16 (two chains at one row, tail on the
+ * first), and the result is rounded to bf16 as there. */
+static inline __attribute__((always_inline)) __m512bh bf16_pair(__m512 lo, __m512 hi) {
+    return _mm512_cvtne2ps_pbh(hi, lo); /* elements 0-15 from lo, 16-31 from hi */
+}
+static inline __attribute__((always_inline)) __m512bh q4_block_bf16(const uint8_t *qs,
+                                                                   const float *dm) {
+    __m512 lo, hi;
+    q4_block(qs, dm, &lo, &hi);
+    return bf16_pair(lo, hi);
+}
+static inline __attribute__((always_inline)) __m512bh q8_block_bf16(const int8_t *qs,
+                                                                   const float *d) {
+    __m512 lo, hi;
+    q8_block(qs, d, &lo, &hi);
+    return bf16_pair(lo, hi);
+}
+
+#define DEFINE_QGEMV_TILE_BF16(NAME, BLOCK)                                                    \
+    static inline __attribute__((always_inline)) void NAME(                                    \
+        const int M, const uint16_t *x, long x_stride, const void *qs, const float *sc,        \
+        uint16_t *y, long y_stride, int n0, int nn, int K) {                                   \
+        const int KB = K / 32;                                                                 \
+        __m512 acc[GEMV_MAX_ROWS][16];                                                         \
+        for (int i = 0; i < 16; i++) {                                                         \
+            __m512 a[GEMV_MAX_ROWS], b = _mm512_setzero_ps();                                  \
+            for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();                            \
+            if (i < nn) {                                                                      \
+                const long r = n0 + i;                                                         \
+                int kb = 0;                                                                    \
+                if (M == 1)                                                                    \
+                    for (; kb + 1 < KB; kb += 2) {                                             \
+                        a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_loadu_si512(x + 32 * kb),\
+                                                BLOCK(r, kb));                                 \
+                        b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(x + 32 * kb + 32),\
+                                             BLOCK(r, kb + 1));                                \
+                    }                                                                          \
+                for (; kb < KB; kb++) {                                                        \
+                    const __m512bh w = BLOCK(r, kb);                                           \
+                    for (int m = 0; m < M; m++)                                                \
+                        a[m] = _mm512_dpbf16_ps(                                               \
+                            a[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + 32 * kb), w);\
+                }                                                                              \
+            }                                                                                  \
+            acc[0][i] = _mm512_add_ps(a[0], b);                                                \
+            for (int m = 1; m < M; m++) acc[m][i] = a[m];                                      \
+        }                                                                                      \
+        for (int m = 0; m < M; m++)                                                            \
+            _mm256_mask_storeu_epi16(y + (long)m * y_stride + n0, (__mmask16)((1u << nn) - 1u),\
+                                     (__m256i)_mm512_cvtneps_pbh(hsum16(acc[m])));             \
+    }
+
+#define Q4_BF16_AT(r, kb)                                                                      \
+    q4_block_bf16((const uint8_t *)qs + (r) * (K / 2) + 16L * (kb), sc + ((r) * KB + (kb)) * 2)
+#define Q8_BF16_AT(r, kb)                                                                      \
+    q8_block_bf16((const int8_t *)qs + (r) * K + 32L * (kb), sc + (r) * KB + (kb))
+DEFINE_QGEMV_TILE_BF16(q4_tile_bf16, Q4_BF16_AT)
+DEFINE_QGEMV_TILE_BF16(q8_tile_bf16, Q8_BF16_AT)
+#define HAVE_QGEMV_BF16 1
+#endif
+
 /* Past GEMV_MAX_ROWS rows the tile is run again for each further group of rows: its weight
  * blocks then come from L1 (a row's result depends only on its group's size). */
-#define DEFINE_QGEMV(NAME, TILE)                                                               \
-    int NAME(const float *x, long x_stride, const void *qs, const float *scales, float *y,     \
+#define DEFINE_QGEMV(NAME, T, TILE)                                                            \
+    int NAME(const T *x, long x_stride, const void *qs, const float *scales, T *y,             \
              long y_stride, int M, int N, int K) {                                             \
         if (!gemv_q_covers(M, N, K)) return -1;                                                \
         const long tiles = (N + 15) / 16;                                                      \
@@ -110,8 +174,8 @@ DEFINE_QGEMV_TILE(q8_tile, Q8_AT)
             const int n0 = (int)tile * 16, nn = N - n0 < 16 ? N - n0 : 16;                     \
             for (int r0 = 0; r0 < M; r0 += GEMV_MAX_ROWS) {                                    \
                 const int g = M - r0 < GEMV_MAX_ROWS ? M - r0 : GEMV_MAX_ROWS;                 \
-                const float *xg = x + (long)r0 * x_stride;                                     \
-                float *yg = y + (long)r0 * y_stride;                                           \
+                const T *xg = x + (long)r0 * x_stride;                                         \
+                T *yg = y + (long)r0 * y_stride;                                               \
                 switch (g) {                                                                   \
                 case 1: TILE(1, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
                 case 2: TILE(2, xg, x_stride, qs, scales, yg, y_stride, n0, nn, K); break;     \
@@ -127,21 +191,37 @@ DEFINE_QGEMV_TILE(q8_tile, Q8_AT)
         return 0;                                                                              \
     }
 
-DEFINE_QGEMV(gemv_q4_f32, q4_tile)
-DEFINE_QGEMV(gemv_q8_f32, q8_tile)
-
-#else /* builds without AVX-512: -1, the caller keeps the float32 weights */
-
-int gemv_q4_f32(const float *x, long x_stride, const void *qs, const float *scales, float *y,
-                long y_stride, int M, int N, int K) {
-    (void)x; (void)x_stride; (void)qs; (void)scales; (void)y; (void)y_stride;
-    (void)M; (void)N; (void)K;
-    return -1;
-}
-int gemv_q8_f32(const float *x, long x_stride, const void *qs, const float *scales, float *y,
-                long y_stride, int M, int N, int K) {
-    (void)x; (void)x_stride; (void)qs; (void)scales; (void)y; (void)y_stride;
-    (void)M; (void)N; (void)K;
-    return -1;
-}
+DEFINE_QGEMV(gemv_q4_f32, float, q4_tile)
+DEFINE_QGEMV(gemv_q8_f32, float, q8_tile)
+#ifdef HAVE_QGEMV_BF16
+DEFINE_QGEMV(gemv_q4_bf16, uint16_t, q4_tile_bf16)
+DEFINE_QGEMV(gemv_q8_bf16, uint16_t, q8_tile_bf16)
 #endif
+
+#endif
+
+/* builds without the instructions: -1 (nothing written), the caller keeps plain weights */
+#define QGEMV_STUB(NAME, T)                                                                    \
+    int NAME(const T *x, long x_stride, const void *qs, const float *scales, T *y,             \
+             long y_stride, int M, int N, int K) {                                             \
+        (void)x; (void)x_stride; (void)qs; (void)scales; (void)y; (void)y_stride;             \
+        (void)M; (void)N; (void)K;                                                             \
+        return -1;                                                                             \
+    }
+#if !defined(__AVX512F__)
+QGEMV_STUB(gemv_q4_f32, float)
+QGEMV_STUB(gemv_q8_f32, float)
+#endif
+#ifndef HAVE_QGEMV_BF16
+QGEMV_STUB(gemv_q4_bf16, uint16_t)
+QGEMV_STUB(gemv_q8_bf16, uint16_t)
+#endif
+
+int gemv_q_bf16_covers(int M, int N, int K) {
+#ifdef HAVE_QGEMV_BF16
+    return gemv_q_covers(M, N, K);
+#else
+    (void)M; (void)N; (void)K;
+    return 0;
+#endif
+}

@@ -7,8 +7,8 @@
  * Python between them: where that path also uses the matrix-vector kernel (1-3 rows) the
  * result is bitwise its result.
  *
- * Per layer l (pointers in layers[l * L_PTRS + ...]; float32 steps read each matmul's weight
- * in its format, plain or GGUF block-quantized, see linear_f32):
+ * Per layer l (pointers in layers[l * L_PTRS + ...]; each matmul's weight is read in its
+ * format, plain or GGUF block-quantized, see linear_f32 / linear_bf16):
  *   h = RMSNorm(residual += x) ; qkv = h W_qkv^T ; RoPE(q, k) ; write k, v to the cache ;
  *   attn = paged decode attention ; x = attn W_o^T ; h = RMSNorm(residual += x) ;
  *   gu = h W_gate_up^T ; act = silu(gate) * up ; x = act W_down^T
@@ -26,7 +26,7 @@
 
 enum {
     L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE,
-    /* a matmul's block scales where its weight is block-quantized (float32 steps), else
+    /* a matmul's block scales where its weight is block-quantized, else
      * unused: the matmul's format is in formats[l * 4 + j], j = 0..3 for qkv, o, gate_up,
      * down (W_PLAIN, W_Q4, W_Q8) */
     L_QKV_S, L_O_S, L_GATE_UP_S, L_DOWN_S,
@@ -47,9 +47,15 @@ static inline void linear_f32(int fmt, const float *x, long xs, const void *w, c
 }
 static inline void linear_bf16(int fmt, const uint16_t *x, long xs, const void *w,
                                const void *sc, uint16_t *y, long ys, int M, int N, int K) {
-    (void)fmt; (void)sc; /* bf16 steps take plain weights only (checked up front) */
-    gemv_bf16(x, xs, w, y, ys, M, N, K);
+    if (fmt == W_Q4)
+        gemv_q4_bf16(x, xs, w, sc, y, ys, M, N, K);
+    else if (fmt == W_Q8)
+        gemv_q8_bf16(x, xs, w, sc, y, ys, M, N, K);
+    else
+        gemv_bf16(x, xs, w, y, ys, M, N, K);
 }
+/* whether this build's block kernels take these sizes, per element type */
+#define gemv_q_f32_covers gemv_q_covers
 
 /* Elements of the work buffer for M rows: residual, normed input and block output
  * [M, hidden] each, qkv [M, (H + 2 Hkv) D], attention output [M, H D], gate_up
@@ -61,7 +67,7 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
 /* L_PTRS, for the caller's pointer table */
 int decode_step_layer_ptrs(void) { return L_PTRS; }
 
-#define DEFINE_DECODE_STEP(NAME, T, SUF, BLOCKS_OK)                                            \
+#define DEFINE_DECODE_STEP(NAME, T, SUF)                                                       \
     int NAME(const void *const *layers, const int32_t *formats, int num_layers,               \
              const T *final_norm, const T *x_in, T *out, T *work, const T *cos,                \
              const T *sin_signed, const int64_t *slots, const int32_t *tables,                 \
@@ -73,7 +79,7 @@ int decode_step_layer_ptrs(void) { return L_PTRS; }
         for (int j = 0; j < 4 * num_layers; j++) {                                             \
             if (formats[j] == W_PLAIN)                                                         \
                 plain = 1;                                                                     \
-            else if (BLOCKS_OK && (formats[j] == W_Q4 || formats[j] == W_Q8))                  \
+            else if (formats[j] == W_Q4 || formats[j] == W_Q8)                                 \
                 blocks = 1;                                                                    \
             else                                                                               \
                 return -1;                                                                     \
@@ -83,8 +89,9 @@ int decode_step_layer_ptrs(void) { return L_PTRS; }
                        !gemv_##SUF##_covers(M, hidden, q_n) ||                                 \
                        !gemv_##SUF##_covers(M, 2 * inter, hidden) ||                           \
                        !gemv_##SUF##_covers(M, hidden, inter))) ||                             \
-            (blocks && (!gemv_q_covers(M, qkv_n, hidden) || !gemv_q_covers(M, hidden, q_n) ||  \
-                        !gemv_q_covers(M, hidden, inter))))                                    \
+            (blocks && (!gemv_q_##SUF##_covers(M, qkv_n, hidden) ||                            \
+                        !gemv_q_##SUF##_covers(M, hidden, q_n) ||                              \
+                        !gemv_q_##SUF##_covers(M, hidden, inter))))                            \
             return -1;                                                                         \
         const int rc = decode_attention_check(tables, table_stride, lens, M, H, Hkv, D,        \
                                               block_size, num_blocks);                         \
@@ -120,5 +127,5 @@ int decode_step_layer_ptrs(void) { return L_PTRS; }
         return 0;                                                                              \
     }
 
-DEFINE_DECODE_STEP(decode_step_f32, float, f32, 1)
-DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16, 0)
+DEFINE_DECODE_STEP(decode_step_f32, float, f32)
+DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16)

@@ -148,8 +148,8 @@ class LlamaForCausalLM(nn.Module):
         # attributes, not parameters or buffers, so state dicts and loaders ignore them
         self._packed: list[dict[str, torch.Tensor | None]] = []
         self._packed_head: torch.Tensor | None = None
-        # the checkpoint's quantized blocks of the same matmul weights, where a float32 model
-        # was loaded from a GGUF file (see load_block_quant_weights); per layer, by name
+        # the checkpoint's quantized blocks of the same matmul weights, where the model was
+        # loaded from a GGUF file (see load_block_quant_weights); per layer, by name
         self._blocks: list[dict[str, BlockQuantWeight | None]] = []
         self._blocks_head: BlockQuantWeight | None = None
         # decode steps of a few sequences through the backend's one-call step where it has
@@ -377,19 +377,19 @@ class LlamaForCausalLM(nn.Module):
 
     def wants_block_quant_weights(self) -> bool:
         """Whether `load_block_quant_weights` would use a checkpoint's quantized blocks: a
-        float32 model on CPU, one rank, with the block kernels built for this CPU."""
+        float32 or bf16 model on CPU, one rank, with the block kernels for its dtype built
+        for this CPU."""
         return (
-            self.embed_tokens.dtype == torch.float32
-            and self.embed_tokens.device.type == "cpu"
+            self.embed_tokens.device.type == "cpu"
             and self.tp_size == 1
-            and block_quant_kernels_available()
+            and block_quant_kernels_available(self.embed_tokens.dtype)
         )
 
     def load_block_quant_weights(self, weights: Iterable[tuple[str, BlockQuantWeight]]) -> int:
         """Keeps a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks of weights already loaded
-        (`load_hf_weights`, dequantized) beside them, named as there, for the float32
+        (`load_hf_weights`, dequantized) beside them, named as there, for the
         matrix-vector kernels of decode steps (sarazmq.kernels.block_quant): the same
-        results, a quarter of the bytes streamed. A fused weight (qkv, gate_up) gets blocks
+        results, a fraction of the bytes streamed. A fused weight (qkv, gate_up) gets blocks
         only when all its parts come in one format; others keep the float32 path.
 
         Raises ValueError when blocks do not dequantize to exactly the loaded weight (they
@@ -397,7 +397,10 @@ class LlamaForCausalLM(nn.Module):
         included).
         """
         if not self.wants_block_quant_weights():
-            raise ValueError("block-quantized weights need a float32 CPU model on one rank")
+            raise ValueError(
+                "block-quantized weights need a float32 or bf16 CPU model on one rank, with "
+                f"the block kernels for {self.embed_tokens.dtype} built for this CPU"
+            )
         parts = dict(weights)
         fused = {
             "qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "qkv_proj"),
@@ -519,7 +522,9 @@ _NO_BLOCKS: dict[str, BlockQuantWeight | None] = {
 
 
 def _check_blocks(blocks: BlockQuantWeight, weight: torch.Tensor, name: str) -> None:
-    if tuple(blocks.shape) != tuple(weight.shape) or not torch.equal(blocks.dequantize(), weight):
+    if tuple(blocks.shape) != tuple(weight.shape) or not torch.equal(
+        blocks.dequantize().to(weight.dtype), weight
+    ):
         raise ValueError(
             f"{name}: the checkpoint's quantized blocks do not hold the loaded weight "
             f"(blocks {blocks.shape}, weight {tuple(weight.shape)})"

@@ -515,14 +515,14 @@ def load_weights(
         reader = _gguf_reader(source)  # parsed once for both passes
         model.load_hf_weights(_iter_gguf_weights(source, model.config, reader))
         if model.wants_block_quant_weights():
-            # float32 decode reads the file's own Q4/Q8 blocks: same results, fewer bytes
+            # decode reads the file's own Q4/Q8 blocks: the same results, fewer bytes
             try:
                 model.load_block_quant_weights(
                     iter_gguf_block_weights(source, model.config, reader)
                 )
             except ValueError as exc:
                 # blocks that would change a result are a speed-up lost, not a failed load
-                log.warning("decode keeps the float32 weights: %s", exc)
+                log.warning("decode keeps the dequantized weights: %s", exc)
     elif source.kind == "hf":
         model.load_hf_weights(_iter_safetensors_weights(source))
     else:
