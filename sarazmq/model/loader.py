@@ -38,6 +38,7 @@ from sarazmq.kernels.block_quant import (
     from_gguf_blocks,
 )
 
+from .gguf_file import GGUFFile
 from .llama import AttentionImpl, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -226,12 +227,20 @@ def model_config_from_hf_dict(
 
 
 def _gguf_reader(source: ModelSource) -> Any:
-    import gguf
+    """The file's metadata and tensors: `GGUFFile` (milliseconds), or gguf-py's
+    `GGUFReader` (seconds for a large vocabulary) for files GGUFFile does not read."""
+    try:
+        return GGUFFile(source.gguf_path)
+    except ValueError as exc:
+        import gguf
 
-    return gguf.GGUFReader(source.gguf_path)
+        log.info("reading %s with gguf.GGUFReader: %s", source.gguf_path, exc)
+        return gguf.GGUFReader(source.gguf_path)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
+    if isinstance(reader, GGUFFile):
+        return reader.field(key, default)
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
@@ -458,8 +467,8 @@ def iter_gguf_block_weights(
 ) -> Iterator[tuple[str, BlockQuantWeight]]:
     """The GGUF's matmul and embedding tensors stored in a block format the float32 decode
     kernels read (Q4_0, Q4_1, Q8_0), as stored, named and row-ordered as `_iter_gguf_weights`
-    names and orders their dequantized values; other tensors are skipped. reader: an open
-    gguf.GGUFReader of the file (opening one parses the whole vocabulary: seconds)."""
+    names and orders their dequantized values; other tensors are skipped. reader: the file
+    opened by `_gguf_reader`, shared with `_iter_gguf_weights` (None: open it here)."""
     reader = reader or _gguf_reader(source)
     permuted = _field(reader, "general.architecture") in _GGUF_PERMUTED_ARCHS
     for t in reader.tensors:
