@@ -1,14 +1,17 @@
-/* Matrix-vector products over block-quantized weights, in float32: the weights a GGUF
- * checkpoint stores in Q4_0, Q4_1 or Q8_0 (32 weights per block, a float16 scale, Q4_1
- * also a float16 minimum), read as stored and dequantized in registers.
+/* Matrix-vector products over block-quantized weights, for float32 and bf16 activations:
+ * the weights a GGUF checkpoint stores in Q4_0, Q4_1 or Q8_0 (32 weights per block, a
+ * float16 scale, Q4_1 also a float16 minimum), read as stored and dequantized in
+ * registers.
  *
- * A float32 model loaded from such a file holds exactly the dequantized values (gguf's
- * dequantize: d * q + m with d * q exact in float32, one rounding for the add, which is
- * what one fma gives). These kernels rebuild those same values in registers and sum them
- * in gemv_f32's order (cpu_ops.c: one vector partial per row, two chains at one row, the
- * same hsum16), so the result is bitwise gemv_f32's on the dequantized matrix, while the
- * bytes streamed per step drop from 4 per weight to 0.75 (Q4) or 1.125 (Q8). Decode of a
- * few sequences is bound by streaming the weights: this is the whole gain.
+ * A model loaded from such a file holds exactly the dequantized values (gguf's dequantize:
+ * d * q + m with d * q exact in float32, one rounding for the add, which is what one fma
+ * gives; a bf16 model holds them rounded to bf16). These kernels rebuild those same
+ * values in registers and sum them in gemv_f32's / gemv_bf16's order (cpu_ops.c: one
+ * vector partial per row, two chains at one row, the same hsum16), so the result is
+ * bitwise the plain kernel's on the dequantized matrix, while the bytes streamed per step
+ * drop from 4 (float32) or 2 (bf16) per weight to 0.75 (Q4) or 1.125 (Q8). Decode of a
+ * few sequences is bound by streaming the weights: this is the whole gain. Past
+ * GEMV_MAX_ROWS rows the rows are taken in groups of that many per weight tile.
  *
  * Layouts (made by sarazmq.kernels.block_quant from the GGUF blocks):
  *   Q4: qs uint8 [N, K/2], per row and block the GGUF's 16 bytes (byte j: low nibble
