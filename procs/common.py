@@ -103,6 +103,24 @@ def pull_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
+# how often a process waiting for its next message returns to Python (see recv_interruptible)
+SIGNAL_CHECK_MS = 200
+
+
+def recv_interruptible(sock: zmq.Socket) -> bytes:
+    """The socket's next message, waiting in slices of SIGNAL_CHECK_MS.
+
+    The kernel may deliver the launcher's SIGTERM to any thread that does not block it:
+    torch's OpenMP workers, the tokenizers' thread pool. Python then runs the handler
+    (`Stopped`) only when the main thread next runs Python code, and a main thread parked
+    in one blocking recv on an idle socket never does: the process ignored SIGTERM until
+    the launcher killed it. Waking every slice runs the pending handler.
+    """
+    while not sock.poll(SIGNAL_CHECK_MS):
+        pass
+    return sock.recv()
+
+
 def run_process(body: Callable[[ProcSpec, zmq.Context, Callable[..., None]], None]) -> None:
     """Common main: spec, logging, signals, READY/Failed reporting around `body`.
 

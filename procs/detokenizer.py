@@ -9,7 +9,13 @@ import zmq
 
 from sarazmq.detokenizer import DetokenizerManager
 from sarazmq.model.loader import load_tokenizer, resolve_model
-from sarazmq.procs.common import ProcSpec, pull_socket, push_socket, run_process
+from sarazmq.procs.common import (
+    ProcSpec,
+    pull_socket,
+    push_socket,
+    recv_interruptible,
+    run_process,
+)
 from sarazmq.protocol import (
     DeltaBatch,
     DetokenizerAdd,
@@ -29,7 +35,7 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     enc = msgspec.msgpack.Encoder()
     ready()
     while True:
-        msg = decoder.decode(inbound.recv())
+        msg = decoder.decode(recv_interruptible(inbound))
         if isinstance(msg, DetokenizerAdd):
             manager.add(msg.request_id, msg.prompt_token_ids, msg.params)
         elif isinstance(msg, DeltaBatch):

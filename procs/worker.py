@@ -11,7 +11,13 @@ import torch.distributed as dist
 import zmq
 
 from sarazmq.messages import BatchPlan, Shutdown, WorkerInbound
-from sarazmq.procs.common import ProcSpec, pull_socket, push_socket, run_process
+from sarazmq.procs.common import (
+    ProcSpec,
+    pull_socket,
+    push_socket,
+    recv_interruptible,
+    run_process,
+)
 from sarazmq.worker import build_model_runner
 
 
@@ -38,7 +44,7 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     encoder = msgspec.msgpack.Encoder()
     ready(rank=rank, kv_blocks=spec.config.cache.num_blocks)
     while True:
-        msg = decoder.decode(plans.recv())
+        msg = decoder.decode(recv_interruptible(plans))
         if isinstance(msg, Shutdown):
             break
         assert isinstance(msg, BatchPlan)  # the union has two members

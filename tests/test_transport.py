@@ -150,3 +150,59 @@ def test_an_ipc_endpoint_in_use_is_refused_and_a_stale_one_reused(tmp_path: Path
     check_ipc_free(f"ipc://{stale_path}")
     assert not stale_path.exists()
     check_ipc_free(f"ipc://{tmp_path}/never.ipc")  # absent: fine
+
+
+_WAITER = r"""
+import signal, sys, threading, time
+import zmq
+from sarazmq.procs.common import recv_interruptible
+
+def stopped(signum, frame):
+    print("stopped", flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stopped)
+# a library thread (torch's OpenMP workers, the tokenizers' pool) that takes signals
+threading.Thread(target=lambda: time.sleep(60), daemon=True).start()
+# the main thread never takes SIGTERM: the kernel must give it to the other thread
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+sock = zmq.Context().socket(zmq.PULL)
+sock.bind(sys.argv[1])
+print("waiting", flush=True)
+recv = recv_interruptible if sys.argv[2] == "interruptible" else (lambda s: s.recv())
+recv(sock)
+"""
+
+
+@pytest.mark.parametrize("how", ["interruptible", "blocking"])
+def test_sigterm_taken_by_another_thread_still_stops_a_waiting_process(
+    tmp_path: Path, how: str
+) -> None:
+    # Workers and detokenizers wait for their next message with recv_interruptible: the
+    # launcher's SIGTERM may land on a library thread, and a main thread parked in one
+    # blocking recv never runs the handler (the "blocking" case shows it hang).
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WAITER, f"ipc://{tmp_path}/w.ipc", how],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "waiting"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        if how == "interruptible":
+            assert code == 0 and proc.stdout.read().strip() == "stopped"
+        else:
+            assert code is None  # still parked in recv: the bug the helper avoids
+    finally:
+        proc.kill()
+        proc.wait()
