@@ -153,7 +153,7 @@ class _Kernels:
         self.available: dict[torch.dtype, bool] = {}
         if lib is None:
             return
-        covers = {torch.float32: lib.gemv_q_covers, torch.bfloat16: lib.gemv_q_bf16_covers}
+        covers = {torch.float32: lib.gemv_q_f32_covers, torch.bfloat16: lib.gemv_q_bf16_covers}
         for dtype, suffix in _SUFFIX.items():
             self.available[dtype] = bool(covers[dtype](1, 1, BLOCK))
             for kind in ("q4", "q8"):

@@ -23,7 +23,7 @@
 #include "common.h"
 #include "kernels.h"
 
-int gemv_q_covers(int M, int N, int K) {
+int gemv_q_f32_covers(int M, int N, int K) {
 #if defined(__AVX512F__)
     return M >= 1 && M <= QGEMV_MAX_ROWS && N >= 1 && K >= 32 && K % 32 == 0;
 #else
@@ -170,7 +170,7 @@ DEFINE_QGEMV_TILE_BF16(q8_tile_bf16, Q8_BF16_AT)
 #define DEFINE_QGEMV(NAME, T, TILE)                                                            \
     int NAME(const T *x, long x_stride, const void *qs, const float *scales, T *y,             \
              long y_stride, int M, int N, int K) {                                             \
-        if (!gemv_q_covers(M, N, K)) return -1;                                                \
+        if (!gemv_q_f32_covers(M, N, K)) return -1;                                            \
         const long tiles = (N + 15) / 16;                                                      \
         _Pragma("omp parallel for schedule(static)")                                           \
         for (long tile = 0; tile < tiles; tile++) {                                            \
@@ -222,7 +222,7 @@ QGEMV_STUB(gemv_q8_bf16, uint16_t)
 
 int gemv_q_bf16_covers(int M, int N, int K) {
 #ifdef HAVE_QGEMV_BF16
-    return gemv_q_covers(M, N, K);
+    return gemv_q_f32_covers(M, N, K);
 #else
     (void)M; (void)N; (void)K;
     return 0;

@@ -35,27 +35,20 @@ enum {
 enum { W_PLAIN, W_Q4, W_Q8 };
 
 /* y = x w^T for one of the layer's matmuls, in its storage format (block_quant.c's
- * kernels are bitwise gemv_f32 on the dequantized weight). Sizes were checked up front. */
-static inline void linear_f32(int fmt, const float *x, long xs, const void *w, const void *sc,
-                              float *y, long ys, int M, int N, int K) {
-    if (fmt == W_Q4)
-        gemv_q4_f32(x, xs, w, sc, y, ys, M, N, K);
-    else if (fmt == W_Q8)
-        gemv_q8_f32(x, xs, w, sc, y, ys, M, N, K);
-    else
-        gemv_f32(x, xs, w, y, ys, M, N, K);
-}
-static inline void linear_bf16(int fmt, const uint16_t *x, long xs, const void *w,
-                               const void *sc, uint16_t *y, long ys, int M, int N, int K) {
-    if (fmt == W_Q4)
-        gemv_q4_bf16(x, xs, w, sc, y, ys, M, N, K);
-    else if (fmt == W_Q8)
-        gemv_q8_bf16(x, xs, w, sc, y, ys, M, N, K);
-    else
-        gemv_bf16(x, xs, w, y, ys, M, N, K);
-}
-/* whether this build's block kernels take these sizes, per element type */
-#define gemv_q_f32_covers gemv_q_covers
+ * kernels are bitwise gemv_f32 / gemv_bf16 on the dequantized weight). Sizes were checked
+ * up front. */
+#define DEFINE_LINEAR(SUF, T)                                                                  \
+    static inline void linear_##SUF(int fmt, const T *x, long xs, const void *w,               \
+                                    const void *sc, T *y, long ys, int M, int N, int K) {      \
+        if (fmt == W_Q4)                                                                       \
+            gemv_q4_##SUF(x, xs, w, sc, y, ys, M, N, K);                                       \
+        else if (fmt == W_Q8)                                                                  \
+            gemv_q8_##SUF(x, xs, w, sc, y, ys, M, N, K);                                       \
+        else                                                                                   \
+            gemv_##SUF(x, xs, w, y, ys, M, N, K);                                              \
+    }
+DEFINE_LINEAR(f32, float)
+DEFINE_LINEAR(bf16, uint16_t)
 
 /* Elements of the work buffer for M rows: residual, normed input and block output
  * [M, hidden] each, qkv [M, (H + 2 Hkv) D], attention output [M, H D], gate_up

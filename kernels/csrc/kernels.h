@@ -39,7 +39,7 @@ int gemv_bf16(const uint16_t *x, long x_stride, const uint16_t *w, uint16_t *y, 
 
 /* block_quant.c: x [M, K] (float32 or bf16) times GGUF-block-quantized weights (see the
  * file); *_covers: whether this build takes these sizes */
-int gemv_q_covers(int M, int N, int K);
+int gemv_q_f32_covers(int M, int N, int K);
 int gemv_q_bf16_covers(int M, int N, int K);
 int gemv_q4_f32(const float *x, long x_stride, const void *qs, const float *scales, float *y,
                 long y_stride, int M, int N, int K);

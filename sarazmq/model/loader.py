@@ -435,29 +435,44 @@ def reverse_permute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weights.shape)
 
 
+def _gguf_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, None for one the model does not know."""
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_BLOCK_RE.match(name)
+    if m is None or m.group(2) not in _GGUF_LAYER:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+
+
+def _permuted_heads(name: str, config: ModelConfig, permuted: bool) -> int:
+    """Heads of a Q or K weight whose rows llama.cpp permuted (reverse_permute_qk), else 0."""
+    if not permuted:
+        return 0
+    if ".attn_q." in name:
+        return config.num_heads
+    if ".attn_k." in name:
+        return config.num_kv_heads
+    return 0
+
+
 def _iter_gguf_weights(
     source: ModelSource, config: ModelConfig, reader: Any = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     reader = reader or _gguf_reader(source)
-    arch = _field(reader, "general.architecture")
-    permuted = arch in _GGUF_PERMUTED_ARCHS
+    permuted = _field(reader, "general.architecture") in _GGUF_PERMUTED_ARCHS
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
-        if t.name in _GGUF_GLOBAL:
-            hf_name = _GGUF_GLOBAL[t.name]
-        else:
-            m = _GGUF_BLOCK_RE.match(t.name)
-            if m is None or m.group(2) not in _GGUF_LAYER:
-                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            hf_name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+        hf_name = _gguf_hf_name(t.name)
+        if hf_name is None:
+            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
         arr = dequantize(t.data, t.tensor_type)  # float32, numpy row-major [out, in]
-        if permuted and ".attn_q." in t.name:
-            arr = reverse_permute_qk(arr, config.num_heads)
-        elif permuted and ".attn_k." in t.name:
-            arr = reverse_permute_qk(arr, config.num_kv_heads)
+        heads = _permuted_heads(t.name, config, permuted)
+        if heads:
+            arr = reverse_permute_qk(arr, heads)
         # copy: memory-mapped (read-only) data must not back a torch tensor
         yield hf_name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
 
@@ -465,34 +480,22 @@ def _iter_gguf_weights(
 def iter_gguf_block_weights(
     source: ModelSource, config: ModelConfig, reader: Any = None
 ) -> Iterator[tuple[str, BlockQuantWeight]]:
-    """The GGUF's matmul and embedding tensors stored in a block format the float32 decode
+    """The GGUF's matmul and embedding tensors stored in a block format the decode
     kernels read (Q4_0, Q4_1, Q8_0), as stored, named and row-ordered as `_iter_gguf_weights`
     names and orders their dequantized values; other tensors are skipped. reader: the file
     opened by `_gguf_reader`, shared with `_iter_gguf_weights` (None: open it here)."""
     reader = reader or _gguf_reader(source)
     permuted = _field(reader, "general.architecture") in _GGUF_PERMUTED_ARCHS
     for t in reader.tensors:
-        if t.tensor_type.name not in GGUF_BLOCK_FORMATS:
-            continue
-        if t.name in _GGUF_GLOBAL:
-            hf_name = _GGUF_GLOBAL[t.name]
-        else:
-            m = _GGUF_BLOCK_RE.match(t.name)
-            if m is None or m.group(2) not in _GGUF_LAYER:
-                continue  # _iter_gguf_weights reports it
-            hf_name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+        hf_name = _gguf_hf_name(t.name)
+        if t.tensor_type.name not in GGUF_BLOCK_FORMATS or hf_name is None:
+            continue  # _iter_gguf_weights reports unknown names
         data = np.asarray(t.data)
         nbytes = GGUF_BLOCK_FORMATS[t.tensor_type.name][1]
         shape = (data.shape[0], data.shape[1] // nbytes * BLOCK)
         weight = from_gguf_blocks(data, t.tensor_type.name, shape)
-        heads = (
-            config.num_heads
-            if ".attn_q." in t.name
-            else config.num_kv_heads
-            if ".attn_k." in t.name
-            else 0
-        )
-        if permuted and heads:
+        heads = _permuted_heads(t.name, config, permuted)
+        if heads:
             # the same row order as reverse_permute_qk gives the dequantized tensor
             order = reverse_permute_qk(np.arange(shape[0]), heads)
             weight = weight.rows(torch.from_numpy(order))
