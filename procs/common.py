@@ -1,4 +1,4 @@
-"""What every process of a deployment shares: its spec (msgpack on stdin), sockets, READY.
+"""What every process of a deployment shares: its spec (msgpack on stdin), signals, READY.
 
 A child is started as `python -m sarazmq.procs.<kind>` and reads its `ProcSpec` as
 msgpack from stdin: config crosses to children with msgspec, never pickle.
@@ -19,47 +19,21 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from sarazmq.config import EngineConfig, ModelConfig
-from sarazmq.protocol import Failed, Ready
-
-
-class Endpoints(msgspec.Struct):
-    """Every socket address of one deployment; each PULL is bound by its owner."""
-
-    public: str
-    scheduler_in: str
-    frontend_in: str
-    worker_plans: list[str]
-    worker_result: str
-    detokenizers: list[str]
-    launcher: str
-    dist_init: str
-
-
-class CurveKeys(msgspec.Struct):
-    """The server's CurveZMQ keypair (z85), when the public endpoint requires it."""
-
-    public: str
-    secret: str
+from sarazmq.config import DeploymentConfig, EngineConfig, ModelConfig
+from sarazmq.procs.endpoints import Endpoints
+from sarazmq.procs.sockets import push_socket
+from sarazmq.protocol.launcher import Failed, Ready
 
 
 class ProcSpec(msgspec.Struct):
-    """Everything a child process needs, sent to it as msgpack on stdin.
-
-    client_timeout / max_client_backlog: the frontend's limits on a client that stops
-    answering heartbeats / reading its output (then its requests are aborted).
-    """
+    """Everything a child process needs, sent to it as msgpack on stdin."""
 
     kind: str
     index: int
     config: EngineConfig
     model_config: ModelConfig
+    deployment: DeploymentConfig
     endpoints: Endpoints
-    num_detokenizers: int
-    curve: CurveKeys | None = None
-    log_level: str = "WARNING"
-    client_timeout: float = 15.0
-    max_client_backlog: int = 10_000
 
 
 class Stopped(BaseException):
@@ -87,20 +61,6 @@ def remove_deployment_files(spec: ProcSpec) -> None:
     if spec.endpoints.public.startswith("ipc://"):
         with contextlib.suppress(OSError):
             os.unlink(spec.endpoints.public[len("ipc://") :])
-
-
-def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(endpoint)
-    return sock
-
-
-def pull_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    return sock
 
 
 # how often a process waiting for its next message returns to Python (see recv_interruptible)
@@ -146,7 +106,7 @@ def run_process(body: Callable[[ProcSpec, zmq.Context, Callable[..., None]], Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_stopped)
     logging.basicConfig(
-        level=spec.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s"
+        level=spec.deployment.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s"
     )
     ctx = zmq.Context()
     launcher = push_socket(ctx, spec.endpoints.launcher)

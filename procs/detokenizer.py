@@ -7,27 +7,15 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from sarazmq.detokenizer import DetokenizerManager
+from sarazmq.detokenizer.service import DetokenizerService
 from sarazmq.model.loader import load_tokenizer, resolve_model
-from sarazmq.procs.common import (
-    ProcSpec,
-    pull_socket,
-    push_socket,
-    recv_interruptible,
-    run_process,
-)
-from sarazmq.protocol import (
-    DeltaBatch,
-    DetokenizerAdd,
-    DetokenizerInbound,
-    OutputBatch,
-    StopStringHit,
-)
-from sarazmq.text_stream import text_outputs
+from sarazmq.procs.common import ProcSpec, recv_interruptible, run_process
+from sarazmq.procs.sockets import pull_socket, push_socket
+from sarazmq.protocol.engine import DetokenizerInbound, OutputBatch, StopStringHit
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
-    manager = DetokenizerManager(load_tokenizer(resolve_model(spec.config.model)))
+    service = DetokenizerService(load_tokenizer(resolve_model(spec.config.model)))
     inbound = pull_socket(ctx, spec.endpoints.detokenizers[spec.index])
     frontend = push_socket(ctx, spec.endpoints.frontend_in)
     scheduler = push_socket(ctx, spec.endpoints.scheduler_in)
@@ -35,15 +23,11 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     enc = msgspec.msgpack.Encoder()
     ready()
     while True:
-        msg = decoder.decode(recv_interruptible(inbound))
-        if isinstance(msg, DetokenizerAdd):
-            manager.add(msg.request_id, msg.prompt_token_ids, msg.params)
-        elif isinstance(msg, DeltaBatch):
-            outputs, stop_hits = text_outputs(manager, msg.deltas)
-            for rid in stop_hits:
-                scheduler.send(enc.encode(StopStringHit(request_id=rid)))
-            if outputs:
-                frontend.send(enc.encode(OutputBatch(outputs)))
+        result = service.on_message(decoder.decode(recv_interruptible(inbound)))
+        for rid in result.stop_hits:
+            scheduler.send(enc.encode(StopStringHit(request_id=rid)))
+        if result.outputs:
+            frontend.send(enc.encode(OutputBatch(result.outputs)))
 
 
 if __name__ == "__main__":

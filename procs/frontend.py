@@ -2,15 +2,15 @@
 
 Nothing a client does can block or crash this loop:
 - frames are decoded by `Frontend` (which never raises on their content); libzmq drops
-  the connection of a peer whose frame exceeds MAX_CLIENT_FRAME_BYTES;
+  the connection of a peer whose frame exceeds MAX_CLIENT_FRAME_BYTES (`public_router`);
 - sends to clients never block: ROUTER_MANDATORY + NOBLOCK, and a client whose
-  per-peer queue (SNDHWM = max_client_backlog messages) is full, or that is no longer
+  per-peer queue (SNDHWM = DeploymentConfig.max_client_backlog messages) is full, or that is no longer
   connected (EHOSTUNREACH), is treated as gone: its requests are aborted. A client with
   requests in flight gets a delta each iteration or a heartbeat each second, so a
   disconnect is noticed within about a second (libzmq's ROUTER_NOTIFY would say so
   directly, but it is a draft API that pyzmq's libzmq is built without);
 - a client with requests in flight must answer heartbeats (`Pong`) within
-  client_timeout seconds, or it is treated as gone.
+  DeploymentConfig.client_timeout seconds, or it is treated as gone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -27,44 +26,25 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sarazmq.frontend import (
+from sarazmq.frontend.prompts import PromptTokenizer
+from sarazmq.frontend.service import (
     GONE_BACKLOG,
     GONE_TIMEOUT,
     GONE_UNREACHABLE,
     REJECT_MULTIPART,
     ClientReply,
-    Frontend,
     FrontendActions,
+    FrontendService,
 )
 from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.procs.common import ProcSpec, Stopped, run_process
-from sarazmq.protocol import MAX_CLIENT_FRAME_BYTES, Drained, FrontendInbound
-from sarazmq.tokenizer_manager import TokenizerManager
+from sarazmq.procs.sockets import public_router, pull_socket, push_socket
+from sarazmq.protocol.engine import FrontendInbound
+from sarazmq.protocol.launcher import Drained
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_S = 0.2
 log = logging.getLogger("sarazmq.frontend")
-
-
-def bind_public(ctx: zmq.Context, spec: ProcSpec) -> zmq.Socket:
-    """The public ROUTER: size-capped frames, routed sends that fail instead of block."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_FRAME_BYTES)
-    # a send to an unknown/disconnected peer, or one whose queue is full, raises instead
-    # of being dropped silently (a silently dropped final delta would hang that client)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, spec.max_client_backlog)
-    if spec.curve is not None:
-        sock.curve_server = True
-        sock.curve_publickey = spec.curve.public.encode()
-        sock.curve_secretkey = spec.curve.secret.encode()
-    endpoint = spec.endpoints.public
-    sock.bind(endpoint)
-    if endpoint.startswith("ipc://"):
-        # already 0600 (the process umask is 077); say so explicitly for a given path
-        os.chmod(endpoint[len("ipc://") :], 0o600)
-    return sock
 
 
 class ClientSender:
@@ -95,24 +75,22 @@ class ClientSender:
 
 
 async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
-    tokenizer = load_tokenizer(resolve_model(spec.config.model))
-    frontend = Frontend(
-        TokenizerManager(
-            tokenizer, spec.model_config.vocab_size, spec.config.scheduler.max_model_len
+    cfg, dep = spec.config, spec.deployment
+    tokenizer = load_tokenizer(resolve_model(cfg.model))
+    frontend = FrontendService(
+        PromptTokenizer(
+            tokenizer,
+            spec.model_config.vocab_size,
+            cfg.scheduler.max_model_len,
+            max_kv_tokens=cfg.cache.num_blocks * cfg.cache.block_size,
         ),
-        client_timeout=spec.client_timeout,
+        client_timeout=dep.client_timeout,
     )
     ctx = zmq.asyncio.Context()
-    public = bind_public(ctx, spec)
-    inbound = ctx.socket(zmq.PULL)
-    inbound.setsockopt(zmq.LINGER, 0)
-    inbound.bind(spec.endpoints.frontend_in)
-    scheduler = ctx.socket(zmq.PUSH)
-    scheduler.setsockopt(zmq.LINGER, 1000)
-    scheduler.connect(spec.endpoints.scheduler_in)
-    launcher = ctx.socket(zmq.PUSH)
-    launcher.setsockopt(zmq.LINGER, 1000)
-    launcher.connect(spec.endpoints.launcher)
+    public = public_router(ctx, spec.endpoints.public, dep.curve, dep.max_client_backlog)
+    inbound = pull_socket(ctx, spec.endpoints.frontend_in)
+    scheduler = push_socket(ctx, spec.endpoints.scheduler_in)
+    launcher = push_socket(ctx, spec.endpoints.launcher)
     enc = msgspec.msgpack.Encoder()
     in_decoder = msgspec.msgpack.Decoder(FrontendInbound)
     sender = ClientSender(public)

@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import msgspec
 import zmq
 
-from sarazmq.messages import Shutdown, StepResult
-from sarazmq.procs.common import ProcSpec, pull_socket, push_socket, run_process
-from sarazmq.protocol import SchedulerInbound
-from sarazmq.scheduler import Scheduler
-from sarazmq.scheduler_service import SchedulerService, ServiceActions
+from sarazmq.procs.common import ProcSpec, run_process
+from sarazmq.procs.sockets import pull_socket, push_socket
+from sarazmq.protocol.engine import SchedulerInbound
+from sarazmq.protocol.worker import Shutdown, StepResult
+from sarazmq.scheduler.scheduler import build_scheduler
+from sarazmq.scheduler.service import SchedulerActions, SchedulerService
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     cfg = spec.config
-    scheduler = Scheduler(
-        cfg.scheduler,
-        block_size=cfg.cache.block_size,
-        num_blocks=cfg.cache.num_blocks,
-        max_model_len=cfg.scheduler.max_model_len,
-        eos_token_ids=spec.model_config.eos_token_ids,
-        clock=time.monotonic,
-    )
-    service = SchedulerService(scheduler, spec.num_detokenizers)
+    scheduler = build_scheduler(cfg, spec.model_config)
+    service = SchedulerService(scheduler, spec.deployment.num_detokenizers)
     inbound = pull_socket(ctx, spec.endpoints.scheduler_in)
     results = pull_socket(ctx, spec.endpoints.worker_result)
     workers = [push_socket(ctx, ep) for ep in spec.endpoints.worker_plans]
@@ -40,7 +33,7 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     poller.register(results, zmq.POLLIN)
     ready(num_blocks=cfg.cache.num_blocks)
 
-    def flush(acts: ServiceActions) -> None:
+    def flush(acts: SchedulerActions) -> None:
         for shard, msgs in acts.to_detokenizers.items():
             for m in msgs:
                 detoks[shard].send(enc.encode(m))
@@ -55,7 +48,7 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
         while True:
             want_plan = service.in_flight is None and scheduler.has_unfinished() and not stalled
             events = dict(poller.poll(0 if want_plan else 200))
-            acts = ServiceActions()
+            acts = SchedulerActions()
             if inbound in events:
                 stalled = False
                 # drain everything that is queued, without blocking the iteration

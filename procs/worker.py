@@ -10,15 +10,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from sarazmq.messages import BatchPlan, Shutdown, WorkerInbound
-from sarazmq.procs.common import (
-    ProcSpec,
-    pull_socket,
-    push_socket,
-    recv_interruptible,
-    run_process,
-)
-from sarazmq.worker import build_model_runner
+from sarazmq.procs.common import ProcSpec, recv_interruptible, run_process
+from sarazmq.procs.sockets import pull_socket, push_socket
+from sarazmq.protocol.worker import WorkerInbound
+from sarazmq.worker.build import build_model_runner
+from sarazmq.worker.service import WorkerService
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
@@ -38,18 +34,15 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
         )
         group = dist.group.WORLD
     runner = build_model_runner(spec.config, spec.model_config, rank=rank, tp_group=group)
+    service = WorkerService(runner, rank)
     plans = pull_socket(ctx, spec.endpoints.worker_plans[rank])
-    results = push_socket(ctx, spec.endpoints.worker_result) if rank == 0 else None
+    results = push_socket(ctx, spec.endpoints.worker_result) if service.is_driver else None
     decoder = msgspec.msgpack.Decoder(WorkerInbound)
     encoder = msgspec.msgpack.Encoder()
     ready(rank=rank, kv_blocks=spec.config.cache.num_blocks)
-    while True:
-        msg = decoder.decode(recv_interruptible(plans))
-        if isinstance(msg, Shutdown):
-            break
-        assert isinstance(msg, BatchPlan)  # the union has two members
-        result = runner.execute(msg)
-        if results is not None:
+    while not service.stopped:
+        result = service.on_message(decoder.decode(recv_interruptible(plans)))
+        if result is not None and results is not None:
             results.send(encoder.encode(result))
     if group is not None:
         dist.destroy_process_group()

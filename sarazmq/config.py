@@ -7,10 +7,16 @@ children receive their config as msgpack bytes (never pickle).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 POLICIES = ("sarathi", "vllm", "orca", "fastertransformer", "simple_chunking")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
+RESTART_POLICIES = ("no", "on-failure")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+#: Seconds a client with requests in flight may leave heartbeats unanswered before the
+#: frontend treats it as gone and aborts its requests.
+DEFAULT_CLIENT_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything needed to build an engine; resolved (paths, sizes) before start."""
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     dtype: str = "float32"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     attention_backend: str = "auto"
@@ -118,3 +124,97 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        model: str = DEFAULT_MODEL,
+        scheduler: str = "sarathi",
+        chunk_size: int = 256,
+        max_num_seqs: int = 64,
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_kv_blocks: int = 0,
+        max_model_len: int = 0,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        device: str = "auto",
+        tensor_parallel_size: int = 1,
+        num_threads: int = 0,
+        seed: int = 0,
+        watermark: float = 0.01,
+    ) -> EngineConfig:
+        """The config from flat options: the one construction behind `LLM(...)` and every
+        command's engine options (`scheduler` names the policy)."""
+        return cls(
+            model=model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            num_threads=num_threads,
+            seed=seed,
+            scheduler=SchedulerConfig(
+                policy=scheduler,
+                chunk_size=chunk_size,
+                max_num_seqs=max_num_seqs,
+                watermark=watermark,
+                max_model_len=max_model_len,
+            ),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+        )
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The server's CurveZMQ keypair (z85 text), when the public endpoint requires it."""
+
+    public: str
+    secret: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """How a multi-process deployment runs (the engine itself is an `EngineConfig`).
+
+    endpoint: the public endpoint (ipc://PATH or tcp://HOST:PORT); None = an ipc socket
+        in the deployment's private 0700 run directory.
+    num_detokenizers: detokenizer processes (requests are sharded over them).
+    curve: the server's CurveZMQ keys; required for a non-loopback tcp endpoint.
+    restart: "no" (a dead process stops the deployment) or "on-failure" (it is started
+        again on the same endpoint, at most max_restarts times).
+    drain_timeout: on stop, seconds in-flight requests get to finish before being aborted.
+    client_timeout / max_client_backlog: the frontend's limits on a client that stops
+        answering heartbeats / stops reading its output (its requests are then aborted).
+    ready_timeout: seconds every process gets to report READY.
+    log_level: the children's logging level; log_file: where their output goes
+        (appended; None: inherited).
+    """
+
+    endpoint: str | None = None
+    num_detokenizers: int = 1
+    curve: CurveKeys | None = None
+    restart: str = "no"
+    max_restarts: int = 3
+    drain_timeout: float = 30.0
+    client_timeout: float = DEFAULT_CLIENT_TIMEOUT_S
+    max_client_backlog: int = 10_000
+    ready_timeout: float = 600.0
+    log_level: str = "WARNING"
+    log_file: str | None = None
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str, Any]] = [
+            (self.num_detokenizers >= 1, "num_detokenizers", ">= 1"),
+            (self.restart in RESTART_POLICIES, "restart", f"one of {RESTART_POLICIES}"),
+            (self.max_restarts >= 0, "max_restarts", ">= 0"),
+            (self.drain_timeout >= 0, "drain_timeout", ">= 0"),
+            (self.client_timeout > 0, "client_timeout", "> 0"),
+            (self.max_client_backlog >= 1, "max_client_backlog", ">= 1"),
+            (self.ready_timeout > 0, "ready_timeout", "> 0"),
+        ]
+        for ok, name, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be {allowed}")

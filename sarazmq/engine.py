@@ -1,8 +1,9 @@
 """The in-process engine (offline use and tests) and the `LLM` API on top of it.
 
 `LLMEngine` composes the same socket-free classes the deployment runs in separate
-processes: `TokenizerManager` (frontend), `Scheduler`, `ModelRunner` (worker rank 0)
-and `DetokenizerManager`. One `step()` is one iteration: plan, execute, update, detokenize.
+processes, built by the same functions: `PromptTokenizer` (frontend), `Scheduler`
+(`build_scheduler`), `ModelRunner` (worker rank 0, `build_model_runner`) and
+`DetokenizerService`. One `step()` is one iteration: plan, execute, update, detokenize.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
-from sarazmq.detokenizer import DetokenizerManager
+from sarazmq.config import DEFAULT_MODEL, EngineConfig, SchedulerConfig
+from sarazmq.detokenizer.service import DetokenizerService
+from sarazmq.frontend.prompts import PromptTokenizer
 from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.outputs import RequestOutput
+from sarazmq.protocol.common import FINISH_ERROR
 from sarazmq.resolve import resolve_engine_config
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler import Scheduler
-from sarazmq.tokenizer_manager import TokenizerManager
-from sarazmq.worker import build_model_runner
+from sarazmq.scheduler.scheduler import build_scheduler
+from sarazmq.validation import InvalidRequestError
+from sarazmq.worker.build import build_model_runner
 
 Prompt = str | Sequence[int]
 
@@ -34,24 +37,13 @@ class LLMEngine:
             raise ValueError("the in-process engine runs tp=1; use `sarazmq serve --tp N`")
         self.config, self.model_config = resolve_engine_config(config)
         tokenizer = load_tokenizer(resolve_model(self.config.model))
-        self.tokenizer = TokenizerManager(
+        self.tokenizer = PromptTokenizer(
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len
         )
         self.runner = build_model_runner(self.config, self.model_config)
-        self.scheduler = self._make_scheduler(self.config.scheduler, self.config.cache.num_blocks)
-        self.detokenizer = DetokenizerManager(tokenizer)
+        self.scheduler = build_scheduler(self.config, self.model_config)
+        self.detokenizer = DetokenizerService(tokenizer)
         self.outputs: dict[str, RequestOutput] = {}
-
-    def _make_scheduler(self, config: SchedulerConfig, num_blocks: int) -> Scheduler:
-        return Scheduler(
-            config,
-            block_size=self.config.cache.block_size,
-            num_blocks=num_blocks,
-            max_model_len=self.config.scheduler.max_model_len,
-            eos_token_ids=self.model_config.eos_token_ids,
-            clock=time.monotonic,
-            seed=self.config.seed,
-        )
 
     def add_request(
         self,
@@ -62,7 +54,7 @@ class LLMEngine:
         *,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Queues a request; raises ValueError (naming the problem) for bad input."""
+        """Queues a request; raises InvalidRequestError (naming the field) for bad input."""
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenizer.encode(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.scheduler.add_request(request_id, ids, params, arrival_time=arrival)
@@ -87,7 +79,9 @@ class LLMEngine:
         allocated = self.config.cache.num_blocks
         if num_blocks is not None and not 1 <= num_blocks <= allocated:
             raise ValueError(f"num_blocks={num_blocks} must be in [1, {allocated}] (allocated)")
-        self.scheduler = self._make_scheduler(config, num_blocks or allocated)
+        self.scheduler = build_scheduler(
+            self.config, self.model_config, num_blocks=num_blocks, scheduler_config=config
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -99,24 +93,17 @@ class LLMEngine:
         if plan is not None:
             result = self.runner.execute(plan)
             deltas.extend(self.scheduler.process_result(result))
+        result = self.detokenizer.detokenize(deltas)
+        for rid in result.stop_hits:
+            self.scheduler.finish_by_stop_string(rid)
         changed: list[RequestOutput] = []
-        for delta in deltas:
-            text_out = self.detokenizer.process(delta)
-            if text_out.stop_string_hit and not delta.finish_reason:
-                self.scheduler.finish_by_stop_string(delta.request_id)
+        for delta in result.outputs:
             out = self.outputs.get(delta.request_id)
             if out is None:
                 continue
-            out.token_ids.extend(delta.new_token_ids)
-            out.text += text_out.text
-            out.token_times.extend(delta.token_times)
-            out.logprobs.extend(delta.logprobs)
-            out.first_scheduled_time = delta.first_scheduled_time or 0.0
-            out.num_preemptions = delta.num_preemptions
-            if text_out.finish_reason:
-                out.finish_reason = text_out.finish_reason
+            out.apply(delta)
             changed.append(out)
-            if out.finish_reason:
+            if out.finished:
                 del self.outputs[delta.request_id]
         return changed
 
@@ -130,7 +117,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "smollm2-135m-instruct",
+        model: str = DEFAULT_MODEL,
         scheduler: str = "sarathi",
         chunk_size: int = 256,
         max_num_seqs: int = 64,
@@ -146,22 +133,21 @@ class LLM:
         seed: int = 0,
         watermark: float = 0.01,
     ) -> None:
-        config = EngineConfig(
+        config = EngineConfig.from_options(
             model=model,
+            scheduler=scheduler,
+            chunk_size=chunk_size,
+            max_num_seqs=max_num_seqs,
             dtype=dtype,
-            device=device,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            device=device,
             num_threads=num_threads,
             seed=seed,
-            scheduler=SchedulerConfig(
-                policy=scheduler,
-                chunk_size=chunk_size,
-                max_num_seqs=max_num_seqs,
-                watermark=watermark,
-                max_model_len=max_model_len,
-            ),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+            watermark=watermark,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -185,7 +171,7 @@ class LLM:
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
-        return self._run([(p, None) for p in prompts], params)  # type: ignore[union-attr]
+        return self._run(list(prompts), params)  # type: ignore[arg-type]
 
     def chat(
         self,
@@ -195,19 +181,21 @@ class LLM:
         """Applies the model's chat template to each conversation and generates the reply."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        items: list[tuple[Prompt, list[int] | None | str]] = []
+        items: list[Prompt | InvalidRequestError] = []
         for conv in conversations:
             try:
-                items.append(("", self.engine.tokenizer.apply_chat_template(conv)))  # type: ignore[arg-type]
-            except ValueError as e:
-                items.append(("", str(e)))
+                items.append(self.engine.tokenizer.apply_chat_template(conv))  # type: ignore[arg-type]
+            except InvalidRequestError as e:
+                items.append(e)
         return self._run(items, params)
 
     def _run(
         self,
-        items: Sequence[tuple[Prompt, list[int] | None | str]],
+        items: Sequence[Prompt | InvalidRequestError],
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestOutput]:
+        """Admits every item together (an InvalidRequestError item, or one add_request
+        rejects, becomes an error output) and steps until all are finished."""
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -218,15 +206,17 @@ class LLM:
                 raise ValueError(f"got {len(per_request)} SamplingParams for {len(items)} prompts")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for (prompt, pre), p in zip(items, per_request):
+        for item, p in zip(items, per_request):
             rid = f"offline-{next(self._ids)}"
             order.append(rid)
             try:
-                if isinstance(pre, str):
-                    raise ValueError(pre)
-                self.engine.add_request(rid, prompt, p, prompt_token_ids=pre)
-            except ValueError as e:
-                results[rid] = RequestOutput(request_id=rid, finish_reason="error", error=str(e))
+                if isinstance(item, InvalidRequestError):
+                    raise item
+                self.engine.add_request(rid, item, p)
+            except InvalidRequestError as e:
+                results[rid] = RequestOutput(
+                    request_id=rid, finish_reason=FINISH_ERROR, error=e.message, error_field=e.field
+                )
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:

@@ -3,7 +3,8 @@
 `SamplingParams` is a msgspec Struct so that it crosses process boundaries as-is
 (client -> frontend -> scheduler -> workers) with no pickle. Validation runs in
 `__post_init__`, which msgspec also calls on decode, so a bad value arriving over a
-socket is rejected the same way as one built in Python.
+socket is rejected the same way as one built in Python: an `InvalidRequestError` naming
+the field (msgspec keeps it as the decode error's `__cause__`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 
 import msgspec
+
+from sarazmq.validation import InvalidRequestError
 
 MAX_LOGPROBS = 20
 
@@ -120,4 +123,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field}={value!r} is out of range; allowed: {allowed}")
+        raise InvalidRequestError(
+            f"SamplingParams.{field}={value!r} is out of range; allowed: {allowed}", field
+        )

@@ -53,7 +53,7 @@ import torch
 
 from sarazmq import LLM, SamplingParams
 from sarazmq.kernels.decode_step import FUSED_MAX_ROWS_BLOCKS
-from sarazmq.messages import BatchPlan, NewSeq, ScheduledSeq
+from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq
 
 PROMPT_LEN = 2048
 PREFILL_CHUNK = 512

@@ -25,11 +25,11 @@ import msgspec
 import zmq
 
 from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
-from sarazmq.messages import BatchPlan, StepResult
-from sarazmq.protocol import AddRequest, DeltaBatch
+from sarazmq.protocol.engine import AddRequest, DeltaBatch
+from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import Scheduler
-from sarazmq.scheduler_service import SchedulerService, ServiceActions
+from sarazmq.scheduler.service import SchedulerActions, SchedulerService
 
 PROMPTS = [
     "Explain how a bicycle works.",
@@ -108,7 +108,7 @@ def scheduler_overhead(num_running: int, iters: int = 300) -> dict[str, float]:
     )
     service = SchedulerService(sched, num_detokenizers=2)
     params = SamplingParams(temperature=0, max_tokens=100_000 // 1, ignore_eos=True)
-    acts = ServiceActions()
+    acts = SchedulerActions()
     for i in range(num_running):
         service.on_inbound(AddRequest(f"r{i}", list(range(10, 42)), params, time.monotonic()), acts)
     ctx = zmq.Context()
@@ -137,7 +137,7 @@ def scheduler_overhead(num_running: int, iters: int = 300) -> dict[str, float]:
         plans.send(enc.encode(plan))
         result = dec.decode(results.recv())
         t2 = time.perf_counter()
-        acts = ServiceActions()
+        acts = SchedulerActions()
         service.on_result(result, acts)
         for msgs in acts.to_detokenizers.values():
             for m in msgs:

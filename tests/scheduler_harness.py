@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sarazmq.messages import BatchPlan, StepResult
+from sarazmq.protocol.engine import RequestDelta
+from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler import Request, RequestDelta, Scheduler
+from sarazmq.scheduler import Request, Scheduler
 
 TokenFn = Callable[[int, list[int], int], int]
 

@@ -15,7 +15,7 @@ from proc_utils import alive as _alive
 from proc_utils import sarazmq_children as _children
 
 from sarazmq.client import AsyncClient, Client, EngineError, RequestError
-from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.config import CacheConfig, DeploymentConfig, EngineConfig, SchedulerConfig
 from sarazmq.procs.launcher import Deployment, DeploymentError
 from sarazmq.sampling_params import SamplingParams
 
@@ -41,7 +41,7 @@ def small_config(**kw: object) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def deployment() -> Deployment:
-    with Deployment(small_config(), num_detokenizers=2) as dep:
+    with Deployment(small_config(), DeploymentConfig(num_detokenizers=2)) as dep:
         yield dep
 
 

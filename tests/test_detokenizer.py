@@ -1,4 +1,4 @@
-"""Incremental detokenizer and DetokenizerManager: UTF-8 safety, stop strings, special tokens."""
+"""Incremental detokenizer and DetokenizerService: UTF-8 safety, stop strings, special tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sarazmq.detokenizer import DetokenizerManager, IncrementalDetokenizer, TextOutput
+from sarazmq.detokenizer.incremental import IncrementalDetokenizer
+from sarazmq.detokenizer.service import DetokenizerService, TextOutput
 from sarazmq.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
@@ -161,7 +162,7 @@ class Delta:
 
 
 def test_manager_interleaved_requests_bytes() -> None:
-    m = DetokenizerManager(BYTES)
+    m = DetokenizerService(BYTES)
     m.add("a", BYTES.encode("prompt a"), SamplingParams(stop=["STOP"]))
     m.add("b", BYTES.encode("prompt b"), SamplingParams(stop_token_ids=[ord("#")]))
     m.add("c", [1], SamplingParams(stop=["zz"]))
@@ -203,7 +204,7 @@ def test_manager_interleaved_requests_bytes() -> None:
 
 
 def test_manager_length_finish_flushes_and_abort_forgets() -> None:
-    m = DetokenizerManager(BYTES)
+    m = DetokenizerService(BYTES)
     m.add("x", [], SamplingParams(stop=["ab"]))
     assert m.process(Delta("x", BYTES.encode("xa"))).text == "x"
     out = m.process(Delta("x", [], "length"))
@@ -294,7 +295,7 @@ def test_real_flush_releases_held_back_text(tok: Any) -> None:
 
 @pytest.mark.model
 def test_real_manager_interleaved(tok: Any) -> None:
-    m = DetokenizerManager(tok)
+    m = DetokenizerService(tok)
     texts = {"r1": "日本語 and émoji 🎉 here.", "r2": "Plain text that stops HERE and more"}
     params = {"r1": SamplingParams(max_tokens=64), "r2": SamplingParams(stop=["HERE"])}
     ids = {r: tok.encode(t, add_special_tokens=False) for r, t in texts.items()}

@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sarazmq.client import AsyncClient, Client, EngineError, RequestError
-from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.config import CacheConfig, CurveKeys, DeploymentConfig, EngineConfig, SchedulerConfig
 from sarazmq.keys import create_keypair, load_keypair, load_public_key
-from sarazmq.procs.common import CurveKeys
-from sarazmq.procs.launcher import Deployment, free_tcp_port
-from sarazmq.protocol import (
+from sarazmq.procs.endpoints import free_tcp_port
+from sarazmq.procs.launcher import Deployment
+from sarazmq.protocol.client import (
     MAX_CLIENT_FRAME_BYTES,
     GenerateRequest,
     Heartbeat,
@@ -122,11 +122,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     )
     with Deployment(
         config,
-        endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
-        curve=CurveKeys(public=public.decode(), secret=secret.decode()),
-        client_timeout=CLIENT_TIMEOUT_S,
-        log_file=str(log_file),
-        drain_timeout=5.0,
+        DeploymentConfig(
+            endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
+            curve=CurveKeys(public=public.decode(), secret=secret.decode()),
+            client_timeout=CLIENT_TIMEOUT_S,
+            log_file=str(log_file),
+            drain_timeout=5.0,
+        ),
     ) as dep:
         e = Env(dep, load_public_key(public_file), log_file)
         yield e

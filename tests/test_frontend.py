@@ -5,27 +5,31 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sarazmq.frontend import Frontend, error_field
-from sarazmq.protocol import (
-    Abort,
+from sarazmq.frontend.prompts import PromptTokenizer
+from sarazmq.frontend.service import FrontendService
+from sarazmq.protocol.client import (
     AbortRequest,
-    AddRequest,
     ChatMessage,
-    Drain,
-    EngineDead,
+    ClientMessage,
     GenerateRequest,
     Heartbeat,
-    OutputBatch,
     OutputDelta,
     Pong,
     ProtocolError,
-    StatsAnswer,
-    StatsQuery,
     StatsReply,
     StatsRequest,
 )
+from sarazmq.protocol.engine import (
+    Abort,
+    AddRequest,
+    Drain,
+    EngineDead,
+    OutputBatch,
+    StatsAnswer,
+    StatsQuery,
+)
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.tokenizer_manager import TokenizerManager
+from sarazmq.validation import InvalidRequestError, find_invalid_field
 
 
 class CharTokenizer:
@@ -42,20 +46,20 @@ enc = msgspec.msgpack.Encoder()
 
 
 @pytest.fixture
-def frontend() -> Frontend:
-    return Frontend(TokenizerManager(CharTokenizer(), vocab_size=100, max_model_len=64))
+def frontend() -> FrontendService:
+    return FrontendService(PromptTokenizer(CharTokenizer(), vocab_size=100, max_model_len=64))
 
 
-def test_generate_is_tokenized_and_forwarded(frontend: Frontend) -> None:
+def test_generate_is_tokenized_and_forwarded(frontend: FrontendService) -> None:
     acts = frontend.on_client_frame(b"c1", enc.encode(GenerateRequest("r1", prompt="hello")))
     assert acts.to_clients == []
     (add,) = acts.to_scheduler
     assert isinstance(add, AddRequest)
     assert add.prompt_token_ids == [ord(c) % 100 for c in "hello"]
-    assert add.request_id == Frontend.engine_id(b"c1", "r1")
+    assert add.request_id == FrontendService.engine_id(b"c1", "r1")
 
 
-def test_chat_messages_use_template(frontend: Frontend) -> None:
+def test_chat_messages_use_template(frontend: FrontendService) -> None:
     req = GenerateRequest("r1", messages=[ChatMessage("user", "hi")])
     (add,) = frontend.on_client_frame(b"c1", enc.encode(req)).to_scheduler
     assert len(add.prompt_token_ids) == len("<user>hi<assistant>")
@@ -73,7 +77,7 @@ def test_chat_messages_use_template(frontend: Frontend) -> None:
     ],
 )
 def test_bad_requests_get_a_named_error(
-    frontend: Frontend, req: GenerateRequest, needle: str
+    frontend: FrontendService, req: GenerateRequest, needle: str
 ) -> None:
     acts = frontend.on_client_frame(b"c1", enc.encode(req))
     assert acts.to_scheduler == []
@@ -83,7 +87,7 @@ def test_bad_requests_get_a_named_error(
     assert needle in reply.error
 
 
-def test_bad_sampling_params_over_the_wire(frontend: Frontend) -> None:
+def test_bad_sampling_params_over_the_wire(frontend: FrontendService) -> None:
     frame = enc.encode(
         {"type": "generate", "request_id": "r9", "prompt": "hi", "params": {"temperature": -3}}
     )
@@ -105,17 +109,17 @@ def test_bad_sampling_params_over_the_wire(frontend: Frontend) -> None:
         b"\xdd\xff\xff\xff\xff",  # an array header claiming 4G elements
     ],
 )
-def test_garbage_frames_get_protocol_errors(frontend: Frontend, frame: bytes) -> None:
+def test_garbage_frames_get_protocol_errors(frontend: FrontendService, frame: bytes) -> None:
     acts = frontend.on_client_frame(b"c1", frame)
     assert acts.to_scheduler == []
     ((ident, reply),) = acts.to_clients
     assert ident == b"c1" and isinstance(reply, ProtocolError)
 
 
-def test_outputs_route_back_to_the_right_client(frontend: Frontend) -> None:
+def test_outputs_route_back_to_the_right_client(frontend: FrontendService) -> None:
     frontend.on_client_frame(b"c1", enc.encode(GenerateRequest("a", prompt="x")))
     frontend.on_client_frame(b"c2", enc.encode(GenerateRequest("a", prompt="y")))
-    e1, e2 = Frontend.engine_id(b"c1", "a"), Frontend.engine_id(b"c2", "a")
+    e1, e2 = FrontendService.engine_id(b"c1", "a"), FrontendService.engine_id(b"c2", "a")
     acts = frontend.on_engine_message(
         OutputBatch(
             [
@@ -133,17 +137,17 @@ def test_outputs_route_back_to_the_right_client(frontend: Frontend) -> None:
     assert [i for i, m in frontend.heartbeats() if isinstance(m, Heartbeat)] == [b"c2"]
 
 
-def test_abort_and_client_gone(frontend: Frontend) -> None:
+def test_abort_and_client_gone(frontend: FrontendService) -> None:
     frontend.on_client_frame(b"c1", enc.encode(GenerateRequest("a", prompt="x")))
     (abort,) = frontend.on_client_frame(b"c1", enc.encode(AbortRequest("a"))).to_scheduler
-    assert isinstance(abort, Abort) and abort.request_id == Frontend.engine_id(b"c1", "a")
+    assert isinstance(abort, Abort) and abort.request_id == FrontendService.engine_id(b"c1", "a")
     # aborting an unknown id does nothing
     assert frontend.on_client_frame(b"c1", enc.encode(AbortRequest("zz"))).to_scheduler == []
     (gone,) = frontend.on_client_gone(b"c1").to_scheduler
-    assert gone.request_id == Frontend.engine_id(b"c1", "a")
+    assert gone.request_id == FrontendService.engine_id(b"c1", "a")
 
 
-def test_stats_round_trip(frontend: Frontend) -> None:
+def test_stats_round_trip(frontend: FrontendService) -> None:
     (q,) = frontend.on_client_frame(b"c1", enc.encode(StatsRequest("s1"))).to_scheduler
     assert isinstance(q, StatsQuery)
     ((ident, reply),) = frontend.on_engine_message(
@@ -153,7 +157,7 @@ def test_stats_round_trip(frontend: Frontend) -> None:
     assert reply.stats["frontend"]["num_frames"] == 1
 
 
-def test_engine_death_fails_every_inflight_request(frontend: Frontend) -> None:
+def test_engine_death_fails_every_inflight_request(frontend: FrontendService) -> None:
     for ident, rid in [(b"c1", "a"), (b"c1", "b"), (b"c2", "a")]:
         frontend.on_client_frame(ident, enc.encode(GenerateRequest(rid, prompt="x")))
     acts = frontend.on_engine_message(EngineDead("worker-0 exited with signal 9"))
@@ -217,14 +221,14 @@ class FakeClock:
         ({"logprobs": 99}, "params.logprobs"),
     ],
 )
-def test_invalid_fields_are_named(frontend: Frontend, params: dict, field: str) -> None:
+def test_invalid_fields_are_named(frontend: FrontendService, params: dict, field: str) -> None:
     frame = enc.encode({"type": "generate", "request_id": "r", "prompt": "hi", "params": params})
     ((_, reply),) = frontend.on_client_frame(b"c1", frame).to_clients
     assert isinstance(reply, OutputDelta) and reply.finish_reason == "error"
     assert reply.error_field == field, reply.error
 
 
-def test_bad_request_fields_are_named(frontend: Frontend) -> None:
+def test_bad_request_fields_are_named(frontend: FrontendService) -> None:
     cases = [
         (GenerateRequest("r", prompt=""), "prompt"),
         (GenerateRequest("r", prompt="x" * 100), "prompt"),
@@ -240,14 +244,24 @@ def test_bad_request_fields_are_named(frontend: Frontend) -> None:
     assert frontend.rejected["bad_request"] == 4 and frontend.rejected["invalid"] == 1
 
 
-def test_error_field_parsing() -> None:
-    assert error_field("Expected `int`, got `str` - at `$.params.top_k`") == "params.top_k"
-    assert error_field("Object missing required field `request_id`") == "request_id"
-    assert error_field("Expected `array`, got `str` - at `$.messages[0]`") == "messages[0]"
-    assert error_field("nothing to see") == ""
+def test_invalid_fields_are_located_from_the_value_not_the_message() -> None:
+    """The field comes from walking the undecoded value against the type (no text parsing)."""
+    gen = {"type": "generate", "request_id": "r", "prompt": "hi"}
+    cases = [
+        ({**gen, "params": {"top_k": "x"}}, "params.top_k"),
+        ({"type": "generate", "prompt": "hi"}, "request_id"),
+        ({**gen, "messages": ["hi"]}, "messages[0]"),
+        ({**gen, "messages": [{"role": "user"}]}, "messages[0].content"),
+        ({**gen, "params": {"top_p": 0}}, "params.top_p"),
+        ({"type": "nope"}, "type"),
+    ]
+    for raw, field in cases:
+        err = find_invalid_field(raw, ClientMessage)
+        assert isinstance(err, InvalidRequestError) and err.field == field, (raw, err)
+    assert find_invalid_field(gen, ClientMessage) is None
 
 
-def test_first_output_carries_prompt_token_ids(frontend: Frontend) -> None:
+def test_first_output_carries_prompt_token_ids(frontend: FrontendService) -> None:
     (add,) = frontend.on_client_frame(
         b"c1", enc.encode(GenerateRequest("a", prompt="hey"))
     ).to_scheduler
@@ -263,8 +277,8 @@ def test_first_output_carries_prompt_token_ids(frontend: Frontend) -> None:
 
 def test_client_that_stops_answering_heartbeats_expires() -> None:
     clock = FakeClock()
-    fe = Frontend(
-        TokenizerManager(CharTokenizer(), vocab_size=100, max_model_len=64),
+    fe = FrontendService(
+        PromptTokenizer(CharTokenizer(), vocab_size=100, max_model_len=64),
         client_timeout=5.0,
         clock=clock,
     )
@@ -276,7 +290,7 @@ def test_client_that_stops_answering_heartbeats_expires() -> None:
     clock.now += 2.0
     assert fe.expired_clients() == [b"mute"]
     (abort,) = fe.on_client_gone(b"mute", "no_pong").to_scheduler
-    assert abort.request_id == Frontend.engine_id(b"mute", "a")
+    assert abort.request_id == FrontendService.engine_id(b"mute", "a")
     # forgotten: its late outputs are dropped, nothing more is sent to it
     out = fe.on_engine_message(OutputBatch([OutputDelta(request_id=abort.request_id, text="z")]))
     assert out.to_clients == [] and fe.clients_gone == {"no_pong": 1}
@@ -288,7 +302,9 @@ def test_client_that_stops_answering_heartbeats_expires() -> None:
 
 def test_drain_refuses_new_requests_then_aborts_the_rest() -> None:
     clock = FakeClock()
-    fe = Frontend(TokenizerManager(CharTokenizer(), vocab_size=100, max_model_len=64), clock=clock)
+    fe = FrontendService(
+        PromptTokenizer(CharTokenizer(), vocab_size=100, max_model_len=64), clock=clock
+    )
     (a,) = fe.on_client_frame(b"c", enc.encode(GenerateRequest("a", prompt="x"))).to_scheduler
     (b,) = fe.on_client_frame(b"c", enc.encode(GenerateRequest("b", prompt="y"))).to_scheduler
     fe.on_engine_message(Drain(timeout=10.0))
@@ -309,7 +325,7 @@ def test_drain_refuses_new_requests_then_aborts_the_rest() -> None:
     assert fe.drained and (fe.drain_finished, fe.drain_aborted) == (1, 1)
 
 
-def test_reject_frame_counts_and_replies(frontend: Frontend) -> None:
+def test_reject_frame_counts_and_replies(frontend: FrontendService) -> None:
     for _ in range(3):
         ((ident, reply),) = frontend.reject_frame(b"c9", "multipart", "2 frames").to_clients
         assert ident == b"c9" and isinstance(reply, ProtocolError)

@@ -14,8 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from sarazmq.cli import main
+from sarazmq.cli.workload_options import parse_id_ranges, workload_spec
 from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
-from sarazmq.replay.cli import parse_id_ranges, workload_spec
 from sarazmq.replay.driver import clock_check, replay, replay_detailed
 from sarazmq.replay.metrics import RequestRecord, summarize
 from sarazmq.replay.report import write_run

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from sarazmq.sampler import (
+from sarazmq.sampling_params import SamplingParams
+from sarazmq.worker.sampler import (
     Sampler,
     SamplingSeq,
     apply_filters,
@@ -15,7 +16,6 @@ from sarazmq.sampler import (
     apply_penalties,
     draw_seed,
 )
-from sarazmq.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 NEG_INF = float("-inf")
@@ -338,7 +338,7 @@ def _top_p_by_full_sort(row: torch.Tensor, p: float) -> set[int]:
 def test_top_p_window_matches_full_sort(monkeypatch: pytest.MonkeyPatch, spread: float) -> None:
     # peaked rows end inside the first window of largest logits; nearly flat rows
     # (spread 0.05) need it widened, up to the whole vocabulary
-    import sarazmq.sampler as sampler_mod
+    import sarazmq.worker.sampler as sampler_mod
 
     vocab = 5000
     g = torch.Generator().manual_seed(int(spread * 100))

@@ -16,15 +16,11 @@ from scheduler_harness import (
 )
 
 from sarazmq.config import POLICIES, SchedulerConfig
-from sarazmq.messages import StepResult, TokenLogprobs
+from sarazmq.protocol.common import TokenLogprobs
+from sarazmq.protocol.engine import RequestDelta
+from sarazmq.protocol.worker import StepResult
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler import (
-    BlockAllocationError,
-    BlockManager,
-    Request,
-    RequestDelta,
-    Scheduler,
-)
+from sarazmq.scheduler import BlockAllocationError, BlockManager, Request, Scheduler
 
 EOS = 2
 

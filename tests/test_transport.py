@@ -13,11 +13,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from sarazmq.config import CurveKeys
 from sarazmq.keys import create_keypair, load_keypair, load_public_key
-from sarazmq.procs.common import CurveKeys
+from sarazmq.procs.endpoints import check_ipc_free, check_public_endpoint
 from sarazmq.procs.frontend import ClientSender
-from sarazmq.procs.launcher import check_ipc_free, check_public_endpoint
-from sarazmq.protocol import Heartbeat
+from sarazmq.protocol.client import Heartbeat
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,6 +26,9 @@ from typing import Any
 
 STOP_REASONS = ("converged", "max_iters", "cap", "lo_fails")
 
+CAPACITY_JSON = "capacity.json"
+CAPACITY_TXT = "capacity.txt"
+
 
 @dataclass(frozen=True)
 class CapacityProbe:
@@ -176,3 +179,32 @@ def find_capacity(
         else:
             bad = mid
     return result(good, bad, "converged")
+
+
+def capacity_ratios(
+    results: Mapping[str, CapacityResult], baseline: str | None
+) -> dict[str, float | None]:
+    """Each policy's capacity / the baseline's (None where either is undefined)."""
+    if baseline is None or baseline not in results:
+        return {}
+    base = results[baseline].capacity_qps
+    return {
+        name: (r.capacity_qps / base if r.capacity_qps is not None and base else None)
+        for name, r in results.items()
+    }
+
+
+def format_capacity(results: Mapping[str, CapacityResult], baseline: str | None) -> str:
+    """A console table: capacity, bracket, stop reason and probes per policy."""
+    ratios = capacity_ratios(results, baseline)
+    lines = []
+    for name, r in results.items():
+        cap = "< lo" if r.capacity_qps is None else f"{r.capacity_qps:.4g} req/s"
+        bad = "-" if r.lowest_failing_qps is None else f"{r.lowest_failing_qps:.4g}"
+        ratio = ratios.get(name)
+        rtext = "" if ratio is None else f"  {ratio:.2f}x {baseline}"
+        lines.append(
+            f"{name}: capacity {cap} (lowest failing {bad}, {r.stop_reason}, "
+            f"{len(r.probes)} probes){rtext}"
+        )
+    return "\n".join(lines)

@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from sarazmq.client import AsyncClient
-from sarazmq.config import EngineConfig
+from sarazmq.config import DeploymentConfig, EngineConfig
 from sarazmq.replay.metrics import IterationSample, RequestRecord
 from sarazmq.replay.workload import WorkloadRequest
 from sarazmq.sampling_params import SamplingParams
@@ -278,19 +278,20 @@ async def replay(
     return out.records, out.iterations
 
 
-def engine_settings(config: EngineConfig, num_detokenizers: int = 1) -> dict[str, Any]:
+def engine_settings(config: EngineConfig, deployment: DeploymentConfig) -> dict[str, Any]:
     """A resolved engine config as a JSON-ready dict (for summary.json)."""
-    return {**dataclasses.asdict(config), "num_detokenizers": num_detokenizers}
+    return {**dataclasses.asdict(config), "num_detokenizers": deployment.num_detokenizers}
 
 
 @contextlib.contextmanager
 def target(
     endpoint: str | None,
     config: EngineConfig | None,
-    num_detokenizers: int = 1,
+    deployment: DeploymentConfig | None = None,
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yields (endpoint, engine settings): the given endpoint, or that of a Deployment of
-    `config` started here and stopped on exit. Exactly one of the two must be given."""
+    `config` (run as `deployment` says) started here and stopped on exit. Exactly one of
+    endpoint and config must be given."""
     if (endpoint is None) == (config is None):
         raise ValueError("give exactly one of endpoint (connect) and config (start one)")
     if endpoint is not None:
@@ -298,9 +299,9 @@ def target(
         return
     from sarazmq.procs.launcher import Deployment
 
-    assert config is not None
-    with Deployment(config, num_detokenizers=num_detokenizers) as dep:
-        yield dep.endpoint, {"connected": False, **engine_settings(dep.config, num_detokenizers)}
+    deployment = deployment or DeploymentConfig()
+    with Deployment(config, deployment) as dep:  # type: ignore[arg-type]
+        yield dep.endpoint, {"connected": False, **engine_settings(dep.config, deployment)}
 
 
 def run_replay(
@@ -308,13 +309,13 @@ def run_replay(
     *,
     endpoint: str | None = None,
     config: EngineConfig | None = None,
-    num_detokenizers: int = 1,
+    deployment: DeploymentConfig | None = None,
     **kwargs: Any,
 ) -> ReplayOutcome:
     """Synchronous replay: against `endpoint`, or against a Deployment of `config` started
     for this run and torn down after it. Keyword arguments go to `replay_detailed`; the
     outcome's settings gain "engine" (the resolved config, or {"connected": True})."""
-    with target(endpoint, config, num_detokenizers) as (ep, engine):
+    with target(endpoint, config, deployment) as (ep, engine):
         out = asyncio.run(replay_detailed(ep, requests, **kwargs))
     return dataclasses.replace(out, settings={**out.settings, "engine": engine})
 

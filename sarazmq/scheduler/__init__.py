@@ -1,9 +1,26 @@
-"""Pure, socket-free scheduling: request state, KV block accounting, batch policies."""
+"""The scheduler process's room: pure, socket-free scheduling.
+
+- `request.Request`: one request's scheduling state.
+- `block_manager.BlockManager`: paged KV block accounting.
+- `policies`: Sarathi-Serve's stall-free hybrid batches and its four baselines.
+- `scheduler.Scheduler`: requests, the pool and the policy; builds each iteration's
+  `BatchPlan` diff (`build_scheduler` is the one way to build it from a config).
+- `service.SchedulerService`: what the process does around it (rejections, routing
+  deltas to detokenizer shards, deferring control while a plan is in flight).
+
+The process loop is `sarazmq.procs.scheduler`.
+"""
 
 from sarazmq.scheduler.block_manager import BlockAllocationError, BlockManager
 from sarazmq.scheduler.policies import POLICY_CLASSES, Policy, make_policy
-from sarazmq.scheduler.request import Request, RequestDelta, RequestStatus
-from sarazmq.scheduler.scheduler import IterationRecord, Scheduler, SchedulerStats
+from sarazmq.scheduler.request import Request, RequestStatus
+from sarazmq.scheduler.scheduler import (
+    IterationRecord,
+    Scheduler,
+    SchedulerStats,
+    build_scheduler,
+)
+from sarazmq.scheduler.service import SchedulerActions, SchedulerService
 
 __all__ = [
     "POLICY_CLASSES",
@@ -12,9 +29,11 @@ __all__ = [
     "IterationRecord",
     "Policy",
     "Request",
-    "RequestDelta",
     "RequestStatus",
     "Scheduler",
+    "SchedulerActions",
+    "SchedulerService",
     "SchedulerStats",
+    "build_scheduler",
     "make_policy",
 ]

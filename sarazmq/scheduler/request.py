@@ -1,21 +1,15 @@
-"""Per-request scheduling state and the per-request output message (`RequestDelta`).
+"""Per-request scheduling state (`Request`); it lives only inside the scheduler.
 
-`Request` lives only inside the scheduler process. `RequestDelta` crosses the wire
-(scheduler -> detokenizers), so it is a msgspec Struct.
+What a request gains each iteration crosses the wire as
+`sarazmq.protocol.engine.RequestDelta`.
 """
 
 from __future__ import annotations
 
 import enum
 
-import msgspec
-
-from sarazmq.messages import TokenLogprobs
+from sarazmq.protocol.common import MaybeFinishReason
 from sarazmq.sampling_params import SamplingParams
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
 
 
 class RequestStatus(enum.Enum):
@@ -87,7 +81,7 @@ class Request:
         self.on_worker = False
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
-        self.finish_reason = ""
+        self.finish_reason: MaybeFinishReason = ""
         self.num_preemptions = 0
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
@@ -139,30 +133,3 @@ class Request:
             f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
         )
-
-
-class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, tag="delta"):
-    """What one request gained in one iteration (or that it finished).
-
-    new_token_ids: tokens sampled this iteration (at most one per iteration; empty for
-        an abort or other finish without a token).
-    finish_reason: "stop" (EOS / stop token id), "length" (max_tokens or the model
-        context), "abort", or "" while the request continues.
-    token_times: scheduler clock at which each new token was processed.
-    logprobs: per new token, passed through from the worker (empty when the step
-        returned no logprobs).
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str
-    num_prompt_tokens: int
-    arrival_time: float
-    first_scheduled_time: float | None
-    token_times: list[float]
-    num_preemptions: int = 0
-    logprobs: list[TokenLogprobs | None] = []
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason != ""

@@ -23,7 +23,6 @@ Finished requests: EOS / stop ids / length finishes come out of `process_result`
 
 from __future__ import annotations
 
-import operator
 import random
 import time
 from collections import deque
@@ -31,19 +30,22 @@ from collections.abc import Callable
 
 import msgspec
 
-from sarazmq.config import SchedulerConfig
-from sarazmq.messages import BatchPlan, NewSeq, ScheduledSeq, StepResult, TokenLogprobs
-from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler.block_manager import BlockManager
-from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
-from sarazmq.scheduler.request import (
+from sarazmq.config import EngineConfig, ModelConfig, SchedulerConfig
+from sarazmq.protocol.common import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
-    Request,
-    RequestDelta,
-    RequestStatus,
+    FinishReason,
+    MaybeFinishReason,
+    TokenLogprobs,
 )
+from sarazmq.protocol.engine import RequestDelta
+from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq, StepResult
+from sarazmq.sampling_params import SamplingParams
+from sarazmq.scheduler.block_manager import BlockManager
+from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
+from sarazmq.scheduler.request import Request, RequestStatus
+from sarazmq.validation import InvalidRequestError, check_prompt_token_ids
 
 MAX_ITERATION_RECORDS = 200_000
 
@@ -134,48 +136,29 @@ class Scheduler:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queues a request (FCFS). Raises ValueError for bad input.
+        """Queues a request (FCFS). Raises InvalidRequestError (a ValueError naming the
+        field) for bad input.
 
         params.max_tokens is clamped so prompt + output <= max_model_len, and so the
         request fits the KV pool alone; reaching the clamp finishes with "length".
         """
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests:
-            raise ValueError(f"duplicate request_id {request_id!r}: a request with it is live")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt: list[int] = []
-        for t in prompt_token_ids:
-            # accept numpy integers etc. (anything with __index__), but not bools/floats
-            try:
-                v = -1 if isinstance(t, bool) else operator.index(t)
-            except TypeError:
-                v = -1
-            if v < 0:
-                raise ValueError(
-                    f"request {request_id!r}: prompt token ids must be ints >= 0, got {t!r}"
-                )
-            prompt.append(v)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: empty prompt (prompt_token_ids is empty)")
-        n = len(prompt)
-        if n > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt has {n} tokens, more than the model's "
-                f"context of {self.max_model_len}"
+            raise InvalidRequestError(
+                f"request_id must be a non-empty string, got {request_id!r}", "request_id"
             )
-        if n == self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: prompt has {n} tokens, which fills the model's "
-                f"context of {self.max_model_len} and leaves no room for output"
+        if request_id in self._requests:
+            raise InvalidRequestError(
+                f"duplicate request_id {request_id!r}: a request with it is live", "request_id"
+            )
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"params must be SamplingParams, got {type(params).__name__}", "params"
             )
         slots = self.blocks.num_token_slots
-        if n > slots:
-            raise ValueError(
-                f"request {request_id!r}: prompt has {n} tokens but the whole KV pool holds "
-                f"only {slots} ({self.blocks.num_total_blocks} blocks of {self.block_size})"
-            )
+        prompt = check_prompt_token_ids(
+            prompt_token_ids, max_model_len=self.max_model_len, max_kv_tokens=slots
+        )
+        n = len(prompt)
         # positions with KV = prompt + outputs - 1 (the last output is never computed)
         max_out = min(params.max_tokens, self.max_model_len - n, slots - n + 1)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -419,7 +402,7 @@ class Scheduler:
                 self._pending_freed.append(req.seq_id)
                 req.on_worker = False
 
-    def _check_finish(self, req: Request, token: int) -> str:
+    def _check_finish(self, req: Request, token: int) -> MaybeFinishReason:
         p = req.params
         n_out = req.num_output_tokens
         if n_out >= p.min_tokens:
@@ -431,7 +414,7 @@ class Scheduler:
             return FINISH_LENGTH
         return ""
 
-    def _finish(self, req: Request, reason: str, remove_from_running: bool = True) -> None:
+    def _finish(self, req: Request, reason: FinishReason, remove_from_running: bool = True) -> None:
         if req.status is RequestStatus.RUNNING:
             if remove_from_running:
                 self.running.remove(req)
@@ -464,3 +447,30 @@ class Scheduler:
             num_preemptions=req.num_preemptions,
             logprobs=logprobs,
         )
+
+
+def build_scheduler(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    clock: Callable[[], float] = time.monotonic,
+    *,
+    num_blocks: int | None = None,
+    scheduler_config: SchedulerConfig | None = None,
+) -> Scheduler:
+    """The scheduler of a resolved engine config: the one way to build it, for the
+    in-process engine and the scheduler process alike.
+
+    num_blocks: use only this many of the config's KV blocks (default: all of them);
+    scheduler_config: another policy/budget than `config.scheduler` (its max_model_len
+    is the config's).
+    """
+    sched = scheduler_config or config.scheduler
+    return Scheduler(
+        sched,
+        block_size=config.cache.block_size,
+        num_blocks=config.cache.num_blocks if num_blocks is None else num_blocks,
+        max_model_len=config.scheduler.max_model_len,
+        eos_token_ids=model_config.eos_token_ids,
+        clock=clock,
+        seed=config.seed,
+    )

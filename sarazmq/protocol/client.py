@@ -1,8 +1,8 @@
-"""Messages of the deployment's sockets (client <-> frontend, and between processes).
+"""The public endpoint: client SDK (DEALER) <-> frontend (ROUTER).
 
-Each socket carries one tagged union of msgspec Structs and is decoded with a typed
-decoder for that union, so a frame of the wrong kind is a decode error, never a
-surprise object. No pickle anywhere.
+`ClientMessage` is what a client may send, `ServerMessage` what it gets back. Everything a
+client sends is untrusted: the frontend decodes it with a typed decoder for
+`ClientMessage` and answers anything else with an error.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from typing import Any
 
 import msgspec
 
-from sarazmq.messages import TokenLogprobs
+from sarazmq.protocol.common import MaybeFinishReason, TokenLogprobs
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler.request import RequestDelta
 
 # Largest frame the public endpoint accepts. libzmq enforces it (ZMQ_MAXMSGSIZE) before a
 # frame reaches Python: the peer that sends a bigger one is disconnected, so it cannot
@@ -81,7 +80,7 @@ class OutputDelta(msgspec.Struct, tag="delta", omit_defaults=True):
     request_id: str
     text: str = ""
     token_ids: list[int] = []
-    finish_reason: str = ""
+    finish_reason: MaybeFinishReason = ""
     error: str = ""
     error_field: str = ""
     prompt_token_ids: list[int] = []
@@ -113,105 +112,3 @@ class ProtocolError(msgspec.Struct, tag="protocol_error"):
 
 
 ServerMessage = OutputDelta | StatsReply | Heartbeat | ProtocolError
-
-
-# ---- frontend / detokenizers -> scheduler --------------------------------------------
-
-
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-
-
-class Abort(msgspec.Struct, tag="abort", array_like=True):
-    request_id: str
-
-
-class StopStringHit(msgspec.Struct, tag="stop_hit", array_like=True):
-    """A detokenizer saw a stop string: the scheduler finishes the request and frees it."""
-
-    request_id: str
-
-
-class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
-    request_id: str
-    iterations_from: int = -1
-
-
-SchedulerInbound = AddRequest | Abort | StopStringHit | StatsQuery
-
-
-# ---- scheduler -> detokenizers -------------------------------------------------------
-
-
-class DetokenizerAdd(msgspec.Struct, tag="dadd", array_like=True):
-    """Sent before any delta of the request, on the same socket (so it arrives first)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True):
-    """All token deltas of one iteration for one detokenizer shard."""
-
-    deltas: list[RequestDelta]
-
-
-DetokenizerInbound = DetokenizerAdd | DeltaBatch
-
-
-# ---- scheduler / detokenizers -> frontend --------------------------------------------
-
-
-class OutputBatch(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: list[OutputDelta]
-
-
-class StatsAnswer(msgspec.Struct, tag="stats_answer", array_like=True):
-    request_id: str
-    stats: dict[str, Any]
-
-
-class EngineDead(msgspec.Struct, tag="dead", array_like=True):
-    """From the launcher: a process died; fail every in-flight request with `reason`."""
-
-    reason: str
-
-
-class Drain(msgspec.Struct, tag="drain", array_like=True):
-    """From the launcher (SIGTERM): refuse new requests, let in-flight ones finish for up
-    to `timeout` seconds, abort the rest, then answer `Drained`."""
-
-    timeout: float
-
-
-FrontendInbound = OutputBatch | StatsAnswer | EngineDead | Drain
-
-
-# ---- every process -> launcher -------------------------------------------------------
-
-
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    name: str
-    pid: int
-    info: dict[str, Any] = {}
-
-
-class Failed(msgspec.Struct, tag="failed", array_like=True):
-    """A process could not start (bad model, tp mismatch, ...): the reason, for the user."""
-
-    name: str
-    error: str
-
-
-class Drained(msgspec.Struct, tag="drained", array_like=True):
-    """From the frontend: after a `Drain`, no request is in flight any more."""
-
-    num_finished: int
-    num_aborted: int
-
-
-LauncherInbound = Ready | Failed | Drained

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sarazmq.messages import TokenLogprobs
+from sarazmq.protocol.common import TokenLogprobs
 from sarazmq.sampling_params import SamplingParams
 
 # q ~ Exp(1) may be exactly 0 (u == 0 in -log(1 - u)); clamping keeps -log(q) finite so a

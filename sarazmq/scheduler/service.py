@@ -12,20 +12,23 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from sarazmq.messages import BatchPlan, StepResult
-from sarazmq.protocol import (
+from sarazmq.protocol.client import OutputDelta
+from sarazmq.protocol.common import FINISH_ERROR
+from sarazmq.protocol.engine import (
     Abort,
     AddRequest,
     DeltaBatch,
     DetokenizerAdd,
     OutputBatch,
-    OutputDelta,
+    RequestDelta,
     SchedulerInbound,
     StatsAnswer,
     StatsQuery,
     StopStringHit,
 )
-from sarazmq.scheduler import RequestDelta, Scheduler
+from sarazmq.protocol.worker import BatchPlan, StepResult
+from sarazmq.scheduler.scheduler import Scheduler
+from sarazmq.validation import InvalidRequestError
 
 
 def detokenizer_shard(request_id: str, num_shards: int) -> int:
@@ -34,7 +37,7 @@ def detokenizer_shard(request_id: str, num_shards: int) -> int:
 
 
 @dataclass
-class ServiceActions:
+class SchedulerActions:
     to_detokenizers: dict[int, list[DetokenizerAdd | DeltaBatch]] = field(default_factory=dict)
     to_frontend: list[OutputBatch | StatsAnswer] = field(default_factory=list)
 
@@ -52,7 +55,7 @@ class SchedulerService:
         # control messages that arrive while a plan is in flight wait for its result
         self.deferred: list[SchedulerInbound] = []
 
-    def on_inbound(self, msg: SchedulerInbound, acts: ServiceActions) -> None:
+    def on_inbound(self, msg: SchedulerInbound, acts: SchedulerActions) -> None:
         if self.in_flight is not None and isinstance(msg, (Abort, StopStringHit)):
             self.deferred.append(msg)
             return
@@ -61,13 +64,12 @@ class SchedulerService:
                 self.scheduler.add_request(
                     msg.request_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time
                 )
-            except ValueError as e:
-                text = str(e)
+            except InvalidRequestError as e:
                 reply = OutputDelta(
                     request_id=msg.request_id,
-                    finish_reason="error",
-                    error=text,
-                    error_field="prompt" if "prompt" in text else "",
+                    finish_reason=FINISH_ERROR,
+                    error=e.message,
+                    error_field=e.field,
                 )
                 acts.to_frontend.append(OutputBatch([reply]))
                 return
@@ -98,7 +100,7 @@ class SchedulerService:
         self.in_flight = plan
         return plan
 
-    def on_result(self, result: StepResult, acts: ServiceActions) -> None:
+    def on_result(self, result: StepResult, acts: SchedulerActions) -> None:
         if self.in_flight is None or result.step != self.in_flight.step:
             raise RuntimeError(f"result for step {result.step} but none of that step is in flight")
         self.in_flight = None
@@ -107,7 +109,7 @@ class SchedulerService:
         for msg in deferred:
             self.on_inbound(msg, acts)
 
-    def _route(self, deltas: list[RequestDelta], acts: ServiceActions) -> None:
+    def _route(self, deltas: list[RequestDelta], acts: SchedulerActions) -> None:
         shards: dict[int, list[RequestDelta]] = {}
         for d in deltas:
             shards.setdefault(detokenizer_shard(d.request_id, self.num_detokenizers), []).append(d)

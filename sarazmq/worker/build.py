@@ -10,8 +10,8 @@ from sarazmq.config import EngineConfig, ModelConfig
 from sarazmq.kernels import select_attention_backend
 from sarazmq.model.llama import allocate_kv_cache
 from sarazmq.model.loader import load_model, resolve_model
-from sarazmq.model_runner import ModelRunner
-from sarazmq.sampler import Sampler
+from sarazmq.worker.model_runner import ModelRunner
+from sarazmq.worker.sampler import Sampler
 
 
 def build_model_runner(

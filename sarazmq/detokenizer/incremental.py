@@ -1,7 +1,4 @@
-"""Incremental detokenization with stop strings (socket-free).
-
-`IncrementalDetokenizer` turns one request's output tokens into text deltas as they
-arrive; `DetokenizerManager` holds one per request and maps token deltas to `TextOutput`.
+"""One request's output tokens to text deltas, with stop strings (`IncrementalDetokenizer`).
 
 Decoding uses the same algorithm as `tokenizers.decoders.DecodeStream` (a window of the
 tokens behind the last emitted chunk plus the new ones is decoded, and the text past the
@@ -31,9 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import msgspec
+from typing import Any
 
 from sarazmq.sampling_params import SamplingParams
 
@@ -197,119 +192,3 @@ class IncrementalDetokenizer:
         delta = self._text[self._emitted : end]
         self._emitted = end
         return delta
-
-
-class TokenDelta(Protocol):
-    """New tokens of one request (the scheduler's per-request delta has these fields).
-
-    finish_reason: "" or None while running; "stop" (EOS or a stop token id: that last
-    token's text is not part of the output), "length", "abort", ... when finished.
-    """
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def new_token_ids(self) -> Sequence[int]: ...
-
-    @property
-    def finish_reason(self) -> str | None: ...
-
-
-class TextOutput(msgspec.Struct, array_like=True, omit_defaults=True, tag="text"):
-    """One request's incremental text.
-
-    text: the delta since the previous TextOutput of this request.
-    token_ids: the new token ids (cut after the one that completed a stop string).
-    finish_reason: "" while running; "stop" when a stop string matched (then
-        `stop_string_hit` is True and the caller must tell the scheduler to stop the
-        request), else the delta's own finish reason.
-    stop_reason: the matched stop string.
-    """
-
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = []
-    finish_reason: str = ""
-    stop_string_hit: bool = False
-    stop_reason: str | None = None
-
-
-class DetokenizerManager:
-    """Incremental detokenizers of many requests; state is dropped when a request finishes.
-
-    eos_token_ids: ids that end a request with finish_reason "stop" (their text is never
-        part of the output); defaults to the tokenizer's `eos_token_id`.
-    """
-
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int] | None = None) -> None:
-        self.tokenizer = tokenizer
-        if eos_token_ids is None:
-            eos = getattr(tokenizer, "eos_token_id", None)
-            eos_token_ids = [eos] if isinstance(eos, int) else []
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self._requests: dict[str, tuple[IncrementalDetokenizer, SamplingParams]] = {}
-
-    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Starts tracking a request; raises ValueError if the id is already tracked."""
-        if request_id in self._requests:
-            raise ValueError(f"request_id={request_id!r} is already being detokenized")
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        self._requests[request_id] = (detok, params)
-
-    def abort(self, request_id: str) -> None:
-        """Forgets a request (no-op if unknown)."""
-        self._requests.pop(request_id, None)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def process(self, delta: TokenDelta) -> TextOutput:
-        """Detokenizes one request's new tokens.
-
-        A request that is not tracked (tokens already in flight when a stop string
-        finished it, or an aborted one) gets an empty TextOutput: no text, no tokens, no
-        finish_reason, so the caller changes nothing.
-        """
-        entry = self._requests.get(delta.request_id)
-        if entry is None:
-            return TextOutput(request_id=delta.request_id)
-        detok, params = entry
-        ids = [int(t) for t in delta.new_token_ids]
-        finish = delta.finish_reason or ""
-        text_ids = ids
-        if finish == "stop" and ids and self._is_stop_token(ids[-1], params):
-            text_ids = ids[:-1]  # the EOS / stop token itself is not text
-
-        step = detok.step(text_ids)
-        text = step.text
-        if step.stopped:
-            self._requests.pop(delta.request_id, None)
-            return TextOutput(
-                request_id=delta.request_id,
-                text=text,
-                token_ids=ids[: step.num_tokens],
-                finish_reason="stop",
-                stop_string_hit=True,
-                stop_reason=step.stop_reason,
-            )
-        if not finish:
-            return TextOutput(request_id=delta.request_id, text=text, token_ids=ids)
-
-        self._requests.pop(delta.request_id, None)
-        text += detok.flush()
-        hit = detok.stopped  # a stop string sat in the text held back until now
-        return TextOutput(
-            request_id=delta.request_id,
-            text=text,
-            token_ids=ids,
-            finish_reason="stop" if hit else finish,
-            stop_string_hit=hit,
-            stop_reason=detok.stop_reason,
-        )
-
-    def _is_stop_token(self, tok: int, params: SamplingParams) -> bool:
-        return tok in params.stop_token_ids or (tok in self.eos_token_ids and not params.ignore_eos)

@@ -1,4 +1,4 @@
-"""Client SDK for a sarazmq deployment: `AsyncClient` and its synchronous twin `Client`.
+"""`AsyncClient`: the asyncio client SDK of a sarazmq deployment.
 
 One DEALER connection carries any number of concurrent requests. A reader task
 dispatches server frames to per-request queues and answers the engine's heartbeats
@@ -14,10 +14,8 @@ import asyncio
 import contextlib
 import itertools
 import os
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -25,8 +23,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from sarazmq.client.errors import EngineError, HealthReport, RequestError
 from sarazmq.outputs import RequestOutput
-from sarazmq.protocol import (
+from sarazmq.protocol.client import (
     AbortRequest,
     ChatMessage,
     ClientMessage,
@@ -39,36 +38,10 @@ from sarazmq.protocol import (
     StatsReply,
     StatsRequest,
 )
+from sarazmq.protocol.common import FINISH_ERROR
 from sarazmq.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
-
-
-class EngineError(RuntimeError):
-    """The engine is unreachable, died, timed out, or rejected a request."""
-
-
-class RequestError(EngineError):
-    """The engine rejected one request (bad input); `request_id` says which, `field`
-    names the offending field when the engine could tell ("prompt", "params.top_p", ...)."""
-
-    def __init__(self, request_id: str, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.request_id = request_id
-        self.field = field
-
-
-class HealthReport(msgspec.Struct, kw_only=True):
-    """Result of `health()`: a real one-token generation through every process.
-
-    healthy: the generation finished in time. reason: why not (else ""). latency_s:
-    how long the generation took. stats: the scheduler's stats when they could be read.
-    """
-
-    healthy: bool
-    reason: str = ""
-    latency_s: float = 0.0
-    stats: dict[str, Any] = {}
 
 
 _MONITOR_EVENTS = (
@@ -77,23 +50,6 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-
-def _merge(out: RequestOutput, delta: OutputDelta) -> None:
-    out.text += delta.text
-    out.token_ids.extend(delta.token_ids)
-    out.token_times.extend(delta.token_times)
-    out.logprobs.extend(delta.logprobs)
-    if delta.prompt_token_ids:
-        out.prompt_token_ids = delta.prompt_token_ids
-    if delta.arrival_time:
-        out.arrival_time = delta.arrival_time
-    if delta.first_scheduled_time:
-        out.first_scheduled_time = delta.first_scheduled_time
-    out.num_preemptions = max(out.num_preemptions, delta.num_preemptions)
-    if delta.finish_reason:
-        out.finish_reason = delta.finish_reason
-        out.error = delta.error
 
 
 class AsyncClient:
@@ -297,7 +253,7 @@ class AsyncClient:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                if item.finish_reason == "error":
+                if item.finish_reason == FINISH_ERROR:
                     finished = True
                     raise RequestError(rid, item.error or "request failed", item.error_field)
                 if item.finish_reason:
@@ -326,7 +282,7 @@ class AsyncClient:
         async for delta in self.stream(
             prompt, params, messages=messages, request_id=rid, timeout=timeout
         ):
-            _merge(out, delta)
+            out.apply(delta)
         return out
 
     async def chat(
@@ -388,100 +344,3 @@ class AsyncClient:
         except EngineError:
             stats = {}
         return HealthReport(healthy=True, latency_s=latency, stats=stats)
-
-
-_STREAM_END = object()
-
-
-class Client:
-    """Synchronous client with the same surface as `AsyncClient`; thread-safe.
-
-    It runs an `AsyncClient` on a private event-loop thread, so many threads may
-    stream concurrently over the one connection.
-    """
-
-    def __init__(self, endpoint: str, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, daemon=True, name="sarazmq-client"
-        )
-        self._thread.start()
-        self._async = AsyncClient(endpoint, **kwargs)
-        self.endpoint = endpoint
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def generate(
-        self, prompt: Prompt | None = None, params: SamplingParams | None = None, **kwargs: Any
-    ) -> RequestOutput:
-        return self._call(self._async.generate(prompt, params, **kwargs))
-
-    def stream(
-        self, prompt: Prompt | None = None, params: SamplingParams | None = None, **kwargs: Any
-    ) -> Iterator[OutputDelta]:
-        """Yields deltas as they arrive; closing the generator early aborts the request."""
-        items: queue.Queue[Any] = queue.Queue()
-        agen = self._async.stream(prompt, params, **kwargs)
-
-        async def pump() -> None:
-            try:
-                async for delta in agen:
-                    items.put(delta)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                items.put(e)
-            finally:
-                items.put(_STREAM_END)
-
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
-        try:
-            while True:
-                item = items.get()
-                if item is _STREAM_END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not fut.done():
-                fut.cancel()
-
-    def chat(
-        self,
-        messages: Sequence[dict[str, str]],
-        params: SamplingParams | None = None,
-        *,
-        stream: bool = False,
-        **kwargs: Any,
-    ) -> Any:
-        if stream:
-            return self.stream(None, params, messages=messages, **kwargs)
-        return self.generate(None, params, messages=messages, **kwargs)
-
-    def abort(self, request_id: str) -> None:
-        self._call(self._async.abort(request_id))
-
-    def stats(self, timeout: float = 10.0, iterations_from: int = -1) -> dict[str, Any]:
-        return self._call(self._async.stats(timeout, iterations_from))
-
-    def health(self, timeout: float = 10.0) -> HealthReport:
-        """See `AsyncClient.health`."""
-        return self._call(self._async.health(timeout))
-
-    def new_request_id(self) -> str:
-        return self._async.new_request_id()
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        with contextlib.suppress(Exception):
-            self._call(self._async.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from sarazmq.kernels.metadata import AttentionMetadata
-from sarazmq.messages import BatchPlan, StepResult
-from sarazmq.sampler import Sampler, SamplingSeq
+from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
+from sarazmq.worker.sampler import Sampler, SamplingSeq
 
 
 class PlanError(RuntimeError):

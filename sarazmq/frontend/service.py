@@ -1,4 +1,4 @@
-"""The frontend's logic (socket-free): validate client frames, tokenize, route outputs back.
+"""The frontend process's logic (socket-free): validate client frames, tokenize, route outputs back.
 
 The frontend process owns the one public ROUTER socket. Clients are identified by
 their ROUTER identity; each client request id is made engine-unique by prefixing the
@@ -15,7 +15,6 @@ frees their KV blocks.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,28 +22,33 @@ from typing import Any
 
 import msgspec
 
-from sarazmq.protocol import (
-    Abort,
+from sarazmq.config import DEFAULT_CLIENT_TIMEOUT_S
+from sarazmq.frontend.prompts import PromptTokenizer
+from sarazmq.protocol.client import (
     AbortRequest,
-    AddRequest,
     ClientMessage,
-    Drain,
-    EngineDead,
-    FrontendInbound,
     GenerateRequest,
     Heartbeat,
-    OutputBatch,
     OutputDelta,
     Pong,
     ProtocolError,
-    SchedulerInbound,
     ServerMessage,
-    StatsAnswer,
-    StatsQuery,
     StatsReply,
     StatsRequest,
 )
-from sarazmq.tokenizer_manager import TokenizerManager
+from sarazmq.protocol.common import FINISH_ABORT, FINISH_ERROR
+from sarazmq.protocol.engine import (
+    Abort,
+    AddRequest,
+    Drain,
+    EngineDead,
+    FrontendInbound,
+    OutputBatch,
+    SchedulerInbound,
+    StatsAnswer,
+    StatsQuery,
+)
+from sarazmq.validation import InvalidRequestError, find_invalid_field
 
 log = logging.getLogger("sarazmq.frontend")
 
@@ -60,8 +64,6 @@ REJECT_BAD_REQUEST = "bad_request"  # a well-formed GenerateRequest that fails v
 GONE_UNREACHABLE = "disconnected"  # a send to it failed: no such peer (EHOSTUNREACH)
 GONE_TIMEOUT = "no_pong"  # answered no heartbeat for client_timeout
 GONE_BACKLOG = "backlog_full"  # its queue of unsent messages is full (not reading)
-
-DEFAULT_CLIENT_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -88,38 +90,17 @@ class _ClientState:
     num_inflight: int = 0
 
 
-_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-_NAMED_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")
-_PARAMS_FIELD = re.compile(r"SamplingParams\.(\w+)=")
-_MESSAGE_FIELD = re.compile(r"^(messages\[\d+\](?:\.\w+)?)")
-
-
-def error_field(message: str) -> str:
-    """The dotted field a msgspec ValidationError message is about ("" if none).
-
-    "Expected `float`, got `str` - at `$.params.temperature`" -> "params.temperature";
-    "Object contains unknown field `foo` - at `$.params`" -> "params.foo";
-    "SamplingParams.top_p=0 is out of range; ... - at `$.params`" -> "params.top_p".
-    """
-    m = _AT_PATH.search(message)
-    path = m.group(1) if m else ""
-    for pattern in (_NAMED_FIELD, _PARAMS_FIELD):
-        named = pattern.search(message)
-        if named:
-            return f"{path}.{named.group(1)}" if path else named.group(1)
-    return path
-
-
-class Frontend:
+class FrontendService:
     """Client-facing request bookkeeping; no sockets, so tests drive it directly.
 
     client_timeout: seconds a client with requests in flight may go without answering
-        a heartbeat before it is treated as gone (its requests aborted).
+        a heartbeat before it is treated as gone (its requests aborted); see
+        `DeploymentConfig.client_timeout`.
     """
 
     def __init__(
         self,
-        tokenizer: TokenizerManager | None,
+        tokenizer: PromptTokenizer | None,
         *,
         client_timeout: float = DEFAULT_CLIENT_TIMEOUT_S,
         clock: Any = time.monotonic,
@@ -219,23 +200,33 @@ class Frontend:
     def _reject(
         self, acts: FrontendActions, identity: bytes, frame: bytes, kind: str, err: Exception
     ) -> None:
-        """Answers an undecodable frame: to its request id if one can be read, else generically."""
-        text = f"invalid request: {type(err).__name__}: {err}"[:1000]
-        self._count_rejection(kind, text)
+        """Answers an undecodable frame: to its request id if one can be read, else generically.
+
+        A frame that is msgpack but not a valid `ClientMessage` is walked against the
+        expected type to name the offending field (`find_invalid_field`)."""
         rid = None
+        invalid: InvalidRequestError | None = None
         if kind == REJECT_INVALID:  # undecodable frames have no readable id by definition
             try:
                 raw = msgspec.msgpack.decode(frame)
-                if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
-                    rid = raw["request_id"][:256]
             except Exception:  # noqa: BLE001 - any garbage is just "no id"
-                rid = None
+                raw = None
+            if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+                rid = raw["request_id"][:256]
+            if raw is not None:
+                invalid = find_invalid_field(raw, ClientMessage)
+        if invalid is not None:
+            where = f" ({invalid.field})" if invalid.field else ""
+            text = f"invalid request{where}: {invalid.message}"[:1000]
+        else:
+            text = f"invalid request: {type(err).__name__}: {err}"[:1000]
+        self._count_rejection(kind, text)
         if rid is not None:
             reply = OutputDelta(
                 request_id=rid,
-                finish_reason="error",
+                finish_reason=FINISH_ERROR,
                 error=text,
-                error_field=error_field(str(err)),
+                error_field=invalid.field if invalid is not None else "",
             )
             acts.to_clients.append((identity, reply))
         else:
@@ -248,7 +239,7 @@ class Frontend:
             self._count_rejection(REJECT_BAD_REQUEST, error)
             reply = OutputDelta(
                 request_id=msg.request_id,
-                finish_reason="error",
+                finish_reason=FINISH_ERROR,
                 error=error,
                 error_field=field_name,
             )
@@ -284,11 +275,9 @@ class Frontend:
             elif msg.prompt is not None:
                 ids = self.tokenizer.encode(msg.prompt)
             else:
-                ids = self.tokenizer.encode(msg.prompt_token_ids or [])
-        except ValueError as e:
-            text = str(e)
-            m = _MESSAGE_FIELD.match(text)
-            return fail(text, m.group(1) if m else given[0])
+                ids = self.tokenizer.check(msg.prompt_token_ids or [], "prompt_token_ids")
+        except InvalidRequestError as e:
+            return fail(e.message, e.field)
         self.num_accepted += 1
         self.inflight[eid] = _Route(identity, msg.request_id, ids)
         state = self.clients.get(identity)
@@ -352,7 +341,7 @@ class Frontend:
                     if route is not None:
                         self._release(route)
                         if self.draining:
-                            if out.finish_reason == "abort":
+                            if out.finish_reason == FINISH_ABORT:
                                 self.drain_aborted += 1
                             else:
                                 self.drain_finished += 1
@@ -375,7 +364,9 @@ class Frontend:
             self.dead_reason = msg.reason
             err = f"engine failed: {msg.reason}"
             for route in self.inflight.values():
-                reply = OutputDelta(request_id=route.client_rid, finish_reason="error", error=err)
+                reply = OutputDelta(
+                    request_id=route.client_rid, finish_reason=FINISH_ERROR, error=err
+                )
                 acts.to_clients.append((route.identity, reply))
             self.inflight.clear()
             self.clients.clear()

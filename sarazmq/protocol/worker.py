@@ -1,4 +1,4 @@
-"""Wire messages between the scheduler and the workers.
+"""Scheduler <-> workers: one `BatchPlan` per iteration to every worker, a `StepResult` back.
 
 A `BatchPlan` is a diff: a request's prompt, sampling parameters and seed travel once
 (in `NewSeq`) when it is first scheduled (or re-scheduled after a recompute
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from sarazmq.protocol.common import TokenLogprobs
 from sarazmq.sampling_params import SamplingParams
 
 
@@ -57,14 +58,6 @@ class BatchPlan(msgspec.Struct, array_like=True, omit_defaults=True, tag="plan")
     scheduled: list[ScheduledSeq] = []
     # sequences the workers must forget (finished, aborted or preempted)
     freed_seq_ids: list[int] = []
-
-
-class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Logprob of the sampled token and the top-N alternatives."""
-
-    logprob: float
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 class StepResult(msgspec.Struct, array_like=True, omit_defaults=True, tag="result"):

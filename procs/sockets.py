@@ -1,0 +1,63 @@
+"""Every socket of a deployment is built here, so linger, bind/connect and limits are set once.
+
+Each internal PULL is bound by its owner and every PUSH connects to it. The helpers take
+a plain or an asyncio context (zmq.asyncio sockets come from zmq.asyncio.Context).
+"""
+
+from __future__ import annotations
+
+import os
+
+import zmq
+
+from sarazmq.config import CurveKeys
+from sarazmq.protocol.client import MAX_CLIENT_FRAME_BYTES
+
+# a PUSH keeps unsent frames this long at close: the peer may still be connecting
+PUSH_LINGER_MS = 1000
+
+
+def push_socket(ctx: zmq.Context, endpoint: str, send_timeout_ms: int | None = None) -> zmq.Socket:
+    """A PUSH connected to `endpoint`; send_timeout_ms: fail a blocked send after that."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, PUSH_LINGER_MS)
+    if send_timeout_ms is not None:
+        sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+    sock.connect(endpoint)
+    return sock
+
+
+def pull_socket(ctx: zmq.Context, endpoint: str, private: bool = False) -> zmq.Socket:
+    """A PULL bound to `endpoint`; private: make its ipc file owner-only (0600)."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    if private and endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://") :], 0o600)
+    return sock
+
+
+def public_router(
+    ctx: zmq.Context, endpoint: str, curve: CurveKeys | None, max_backlog: int
+) -> zmq.Socket:
+    """The public ROUTER: size-capped frames, routed sends that fail instead of block.
+
+    max_backlog: messages queued for one client before sends to it fail (zmq.Again).
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # libzmq drops the connection of a peer whose frame is bigger, before Python sees it
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_FRAME_BYTES)
+    # a send to an unknown/disconnected peer, or one whose queue is full, raises instead
+    # of being dropped silently (a silently dropped final delta would hang that client)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, max_backlog)
+    if curve is not None:
+        sock.curve_server = True
+        sock.curve_publickey = curve.public.encode()
+        sock.curve_secretkey = curve.secret.encode()
+    sock.bind(endpoint)
+    if endpoint.startswith("ipc://"):
+        # already 0600 (the process umask is 077); say so explicitly for a given path
+        os.chmod(endpoint[len("ipc://") :], 0o600)
+    return sock

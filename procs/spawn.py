@@ -1,0 +1,119 @@
+"""Starting a deployment's processes and waiting for each one's READY.
+
+Children are plain subprocesses (`python -m sarazmq.procs.<kind>`) that read their spec as
+msgpack from stdin: no pickle, no fork of a process holding torch threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from sarazmq.procs.common import ProcSpec
+from sarazmq.protocol.launcher import Failed, LauncherInbound, Ready
+
+log = logging.getLogger("sarazmq.launcher")
+
+
+class DeploymentError(RuntimeError):
+    """The deployment could not start, or a process of it died."""
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+
+
+def spawn_child(spec: ProcSpec, threads: int) -> Child:
+    """Starts one child with its spec on stdin and `threads` OpenMP threads."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log_file = spec.deployment.log_file
+    out = open(log_file, "ab") if log_file else None  # noqa: SIM115 - the child keeps its own fd
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", f"sarazmq.procs.{spec.kind}"],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            env=env,
+        )
+    finally:
+        if out is not None:
+            out.close()
+    if popen.stdin is None:  # stdin=PIPE always gives one; typed as optional
+        raise DeploymentError(f"{spec.kind}-{spec.index}: no stdin pipe to send its spec")
+    popen.stdin.write(msgspec.msgpack.encode(spec))
+    popen.stdin.close()
+    return Child(f"{spec.kind}-{spec.index}", popen)
+
+
+def decode_launcher_message(
+    decoder: msgspec.msgpack.Decoder, frame: bytes
+) -> LauncherInbound | None:
+    try:
+        return decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        log.error("undecodable message to the launcher: %s", e)
+        return None
+
+
+def await_ready(
+    launcher: zmq.Socket,
+    children: list[Child],
+    timeout: float,
+    stop_requested: threading.Event,
+) -> None:
+    """Returns once every child said READY; raises DeploymentError naming the first one
+    that failed to start (its own reason when it sent one), exited, or timed out."""
+    decoder = msgspec.msgpack.Decoder(LauncherInbound)
+    waiting = {c.name for c in children}
+    deadline = time.monotonic() + timeout
+    while waiting:
+        if time.monotonic() > deadline:
+            raise DeploymentError(f"timed out waiting for {sorted(waiting)} to become ready")
+        if stop_requested.is_set():  # e.g. Ctrl-C during a long model load
+            raise DeploymentError("stopped while starting")
+        if launcher.poll(200):
+            msg = decode_launcher_message(decoder, launcher.recv())
+            if isinstance(msg, Failed):
+                raise DeploymentError(f"{msg.name} failed to start: {msg.error}")
+            if isinstance(msg, Ready):
+                waiting.discard(msg.name)
+            continue
+        for child in children:
+            code = child.popen.poll()
+            if code is not None:
+                # a Failed message may still be queued: it names the cause better
+                if launcher.poll(500):
+                    msg = decode_launcher_message(decoder, launcher.recv())
+                    if isinstance(msg, Failed):
+                        raise DeploymentError(f"{msg.name} failed to start: {msg.error}")
+                raise DeploymentError(f"{child.name} exited with code {code} during start")
+
+
+def stop_children(children: list[Child], grace_s: float = 5.0) -> dict[str, int]:
+    """SIGTERM to every live child, SIGKILL for those still alive after `grace_s`;
+    returns each child's exit code."""
+    for child in children:
+        if child.popen.poll() is None:
+            child.popen.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop on SIGTERM; killing it", child.name)
+            child.popen.kill()
+            child.popen.wait()
+    return {c.name: c.popen.returncode for c in children}

@@ -1,0 +1,27 @@
+"""The `sarazmq` command line: one module per group of commands, registered here.
+
+- `serve`: serve, keys (a deployment and its keys)
+- `client_commands`: generate, chat, health (against a deployment)
+- `replay`, `capacity`: the trace replay harness (`workload_options` is what they share)
+- `options`: options shared by several commands, each defined once
+"""
+
+from __future__ import annotations
+
+import click
+
+from sarazmq.cli.capacity import capacity
+from sarazmq.cli.client_commands import chat, generate, health
+from sarazmq.cli.replay import replay
+from sarazmq.cli.serve import keys, serve
+
+
+@click.group()
+def main() -> None:
+    """sarazmq: Sarathi-Serve style LLM serving over ZeroMQ."""
+
+
+for _command in (serve, keys, health, generate, chat, replay, capacity):
+    main.add_command(_command)
+
+__all__ = ["main"]

@@ -1,0 +1,5 @@
+"""`python -m sarazmq.cli`."""
+
+from sarazmq.cli import main
+
+main()

@@ -1,0 +1,131 @@
+"""Options shared by several commands, each defined once, and what they build."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import click
+
+from sarazmq.config import ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, POLICIES, EngineConfig
+
+Decorator = Callable[[Any], Any]
+
+
+def stack(*options: Decorator) -> Decorator:
+    """One decorator applying `options` in the order given (first = first in --help)."""
+
+    def deco(f: Any) -> Any:
+        for opt in reversed(options):
+            f = opt(f)
+        return f
+
+    return deco
+
+
+#: Every option that builds an EngineConfig; each parameter is named as in
+#: `EngineConfig.from_options`, so `engine_config(kw)` passes them through.
+engine_options = stack(
+    click.option(
+        "--model",
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help="model name, .gguf file, or Hugging Face folder",
+    ),
+    click.option(
+        "--scheduler",
+        "scheduler",
+        type=click.Choice(POLICIES),
+        default="sarathi",
+        show_default=True,
+        help="batching policy",
+    ),
+    click.option("--chunk-size", default=256, show_default=True, help="per-iteration token budget"),
+    click.option("--max-num-seqs", default=64, show_default=True),
+    click.option(
+        "--tp", "tensor_parallel_size", default=1, show_default=True, help="tensor-parallel workers"
+    ),
+    click.option(
+        "--detokenizers",
+        "num_detokenizers",
+        default=1,
+        show_default=True,
+        help="detokenizer processes",
+    ),
+    click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
+    click.option("--block-size", default=16, show_default=True),
+    click.option(
+        "--num-kv-blocks",
+        default=0,
+        show_default=True,
+        help="KV pool size in blocks (0 = from available memory)",
+    ),
+    click.option(
+        "--max-model-len",
+        default=0,
+        show_default=True,
+        help="longest prompt+output (0 = the model's context)",
+    ),
+    click.option(
+        "--attention-backend",
+        type=click.Choice(ATTENTION_BACKENDS),
+        default="auto",
+        show_default=True,
+    ),
+    click.option(
+        "--enforce-eager",
+        is_flag=True,
+        help="run the model op by op (no fused one-call decode step)",
+    ),
+    click.option("--device", default="auto", show_default=True),
+    click.option(
+        "--threads",
+        "num_threads",
+        default=0,
+        show_default=True,
+        help="torch threads per worker (0 = cores / tp)",
+    ),
+    click.option(
+        "--seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="the run's seed: per-request sampling seeds drawn by the engine (and, for "
+        "replay, the workload)",
+    ),
+)
+
+_ENGINE_KEYS = tuple(inspect.signature(EngineConfig.from_options).parameters)
+
+
+def engine_config(kw: Mapping[str, Any], **overrides: Any) -> EngineConfig:
+    """The EngineConfig of a command's engine options (`overrides` win), or a one-line
+    click error naming the bad value."""
+    options = {k: kw[k] for k in _ENGINE_KEYS if k in kw}
+    options.update(overrides)
+    try:
+        return EngineConfig.from_options(**options)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def server_key_option(f: Any) -> Any:
+    return click.option(
+        "--curve-server-key-file",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False),
+        help="the server's public key file (from `sarazmq keys`), for a CurveZMQ endpoint",
+    )(f)
+
+
+def client_kwargs(curve_server_key_file: str | None) -> dict[str, Any]:
+    """Client() keyword arguments for the --curve-server-key-file option."""
+    if curve_server_key_file is None:
+        return {}
+    from sarazmq.keys import load_public_key
+
+    try:
+        return {"curve_server_key": load_public_key(curve_server_key_file)}
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None

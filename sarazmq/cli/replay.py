@@ -1,0 +1,123 @@
+"""`sarazmq replay`: replay a trace (or a synthetic workload) against a deployment."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sarazmq.cli.options import engine_config, engine_options
+from sarazmq.cli.workload_options import (
+    TRACE_HELP,
+    check_fit,
+    engine_line,
+    parse_policies,
+    prepare_workload,
+    run_settings,
+    run_workload,
+    workload_options,
+)
+from sarazmq.config import DeploymentConfig
+from sarazmq.replay.driver import target
+from sarazmq.replay.metrics import summarize
+from sarazmq.replay.report import format_comparison, format_table, write_comparison, write_run
+from sarazmq.replay.workload import format_header
+
+_REPLAY_HELP = (
+    """Replay TRACE against a deployment and report Sarathi-Serve's metrics.
+
+Without --connect a deployment is started for the run (engine options below) and torn
+down after it. Writes summary.json, requests.csv, iterations.csv and PNG plots (CDFs of
+TBT and TTFT, tokens over time, prefill/decode tokens per iteration) to --output-dir,
+and prints a table. With --compare sarathi,vllm,orca the same workload runs against a
+fresh deployment of each policy (outputs in --output-dir/POLICY/), then
+comparison.json/.txt and overlaid CDFs are written, with ratios to --baseline.
+
+"""
+    + TRACE_HELP
+)
+
+
+@click.command(help=_REPLAY_HELP)
+@click.argument("trace")
+@workload_options(retime=True)
+@click.option(
+    "--slo-ttft", type=float, default=None, help="goodput: a request's TTFT SLO (seconds)"
+)
+@click.option(
+    "--slo-tbt", type=float, default=None, help="goodput: a request's P99 TBT SLO (seconds)"
+)
+@click.option(
+    "--compare",
+    default=None,
+    help="comma-separated policies (e.g. sarathi,vllm,orca): replay the same workload "
+    "against a fresh deployment of each, instead of --scheduler",
+)
+@click.option(
+    "--baseline",
+    default=None,
+    help="policy the comparison's ratios are taken against (default: vllm when compared)",
+)
+@engine_options
+def replay(trace: str, **kw: Any) -> None:
+    """Replay TRACE against a deployment and report Sarathi-Serve's metrics (help text:
+    _REPLAY_HELP)."""
+    if kw["slo_ttft"] is not None and not kw["slo_ttft"] > 0:
+        raise click.BadParameter("must be > 0", param_hint="--slo-ttft")
+    if kw["slo_tbt"] is not None and not kw["slo_tbt"] > 0:
+        raise click.BadParameter("must be > 0", param_hint="--slo-tbt")
+    policies = parse_policies(kw["compare"], "--compare") if kw["compare"] else [kw["scheduler"]]
+    comparing = kw["compare"] is not None
+    if comparing and kw["connect"]:
+        raise click.BadParameter(
+            "--compare starts a fresh deployment per policy; it cannot use --connect",
+            param_hint="--compare",
+        )
+    baseline = kw["baseline"]
+    if baseline is None and comparing and "vllm" in policies:
+        baseline = "vllm"
+    if baseline is not None and baseline not in policies:
+        raise click.BadParameter(f"{baseline!r} is not among {policies}", param_hint="--baseline")
+
+    spec, requests, info = prepare_workload(trace, kw)
+    click.echo(format_header(info))
+    out_dir = Path(kw["output_dir"])
+    summaries: dict[str, dict[str, Any]] = {}
+    records = {}
+    for policy in policies:
+        run_kw = {**kw, "scheduler": policy}
+        click.echo(engine_line(run_kw, policy) if not kw["connect"] else f"target: {kw['connect']}")
+        config = None if kw["connect"] else engine_config(run_kw)
+        t0 = time.monotonic()
+        try:
+            with target(
+                kw["connect"], config, DeploymentConfig(num_detokenizers=kw["num_detokenizers"])
+            ) as (endpoint, engine):
+                if not kw["connect"]:
+                    click.echo(f"deployment ready in {time.monotonic() - t0:.1f} s", err=True)
+                check_fit(requests, engine)
+                out = run_workload(endpoint, requests, kw, policy if comparing else "replay")
+        except Exception as e:  # noqa: BLE001 - a failed deployment ends the command cleanly
+            raise click.ClickException(f"{policy}: {type(e).__name__}: {e}") from None
+        summary = summarize(out.records, out.iterations, kw["slo_ttft"], kw["slo_tbt"])
+        run_dir = out_dir / policy if comparing else out_dir
+        write_run(
+            run_dir,
+            summary,
+            out.records,
+            out.iterations,
+            workload=info,
+            settings=run_settings(out, engine),
+        )
+        if comparing:
+            click.echo(f"--- {policy}")
+        click.echo(format_table(summary))
+        click.echo(f"wrote {run_dir}/")
+        summaries[policy] = summary
+        records[policy] = out.records
+    if comparing:
+        write_comparison(out_dir, summaries, records, baseline=baseline)
+        click.echo(format_comparison(summaries, baseline))
+        click.echo(f"wrote {out_dir}/comparison.json, comparison.txt, compare_*_cdf.png")

@@ -1,0 +1,120 @@
+"""The request pipeline between processes.
+
+frontend -> scheduler (`SchedulerInbound`), scheduler -> detokenizer shards
+(`DetokenizerInbound`), scheduler / detokenizers / launcher -> frontend (`FrontendInbound`).
+All structs are `array_like`: these sockets are internal and trusted, so the frames are
+compact positional arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from sarazmq.protocol.client import OutputDelta
+from sarazmq.protocol.common import MaybeFinishReason, TokenLogprobs
+from sarazmq.sampling_params import SamplingParams
+
+# ---- frontend / detokenizers -> scheduler --------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class StopStringHit(msgspec.Struct, tag="stop_hit", array_like=True):
+    """A detokenizer saw a stop string: the scheduler finishes the request and frees it."""
+
+    request_id: str
+
+
+class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
+    request_id: str
+    iterations_from: int = -1
+
+
+SchedulerInbound = AddRequest | Abort | StopStringHit | StatsQuery
+
+
+# ---- scheduler -> detokenizers -------------------------------------------------------
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, tag="delta"):
+    """What one request gained in one iteration (or that it finished), scheduler ->
+    detokenizer.
+
+    new_token_ids: tokens sampled this iteration (at most one per iteration; empty for
+        an abort or other finish without a token).
+    finish_reason: "stop" (EOS / stop token id), "length" (max_tokens or the model
+        context), "abort", or "" while the request continues.
+    token_times: scheduler clock at which each new token was processed.
+    logprobs: per new token, passed through from the worker (empty when the step
+        returned no logprobs).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: MaybeFinishReason
+    num_prompt_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    token_times: list[float]
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprobs | None] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != ""
+
+
+class DetokenizerAdd(msgspec.Struct, tag="dadd", array_like=True):
+    """Sent before any delta of the request, on the same socket (so it arrives first)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True):
+    """All token deltas of one iteration for one detokenizer shard."""
+
+    deltas: list[RequestDelta]
+
+
+DetokenizerInbound = DetokenizerAdd | DeltaBatch
+
+
+# ---- scheduler / detokenizers -> frontend --------------------------------------------
+
+
+class OutputBatch(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[OutputDelta]
+
+
+class StatsAnswer(msgspec.Struct, tag="stats_answer", array_like=True):
+    request_id: str
+    stats: dict[str, Any]
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    """From the launcher: a process died; fail every in-flight request with `reason`."""
+
+    reason: str
+
+
+class Drain(msgspec.Struct, tag="drain", array_like=True):
+    """From the launcher (SIGTERM): refuse new requests, let in-flight ones finish for up
+    to `timeout` seconds, abort the rest, then answer `Drained`."""
+
+    timeout: float
+
+
+FrontendInbound = OutputBatch | StatsAnswer | EngineDead | Drain
