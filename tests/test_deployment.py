@@ -191,6 +191,31 @@ def test_tp2_is_refused_with_a_clear_message() -> None:
         Deployment(small_config(tensor_parallel_size=2))
 
 
+def test_deployment_honours_the_engine_seed() -> None:
+    """Requests without their own seed get seeds drawn from EngineConfig.seed, in arrival
+    order, in a deployment exactly as in `LLM` (the scheduler process once dropped it)."""
+    from sarazmq import LLM
+
+    sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    llm = LLM(
+        scheduler="sarathi",
+        chunk_size=64,
+        max_num_seqs=32,
+        max_model_len=1024,
+        num_kv_blocks=1024,
+        seed=1234,
+    )
+    # one at a time: each request's seed is the next draw of the engine's generator
+    expected = [llm.generate(p, sampled)[0].token_ids for p in prompts]
+    with Deployment(small_config(seed=1234)) as dep, Client(dep.endpoint) as c:
+        got = [c.generate(p, sampled).token_ids for p in prompts]
+    with Deployment(small_config(seed=99)) as dep, Client(dep.endpoint) as c:
+        other = [c.generate(p, sampled).token_ids for p in prompts]
+    assert got == expected
+    assert other != expected  # the seed is what made them equal
+
+
 @pytest.mark.slow
 def test_tp3_equals_tp1(reference) -> None:
     with (

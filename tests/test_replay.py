@@ -12,6 +12,13 @@ import numpy as np
 import pytest
 
 from sarazmq.replay.capacity import find_capacity, judge
+from sarazmq.replay.describe import describe, format_header
+from sarazmq.replay.distributions import (
+    gamma_arrivals,
+    poisson_arrivals,
+    uniform_lengths,
+    zipf_lengths,
+)
 from sarazmq.replay.metrics import (
     IterationSample,
     RequestRecord,
@@ -26,16 +33,7 @@ from sarazmq.replay.report import (
     write_run,
 )
 from sarazmq.replay.traces import TraceRow, detect_kind, load_trace
-from sarazmq.replay.workload import (
-    WorkloadSpec,
-    build_workload,
-    describe,
-    format_header,
-    gamma_arrivals,
-    poisson_arrivals,
-    uniform_lengths,
-    zipf_lengths,
-)
+from sarazmq.replay.workload import WorkloadSpec, build_workload
 
 TRACES = Path(__file__).parents[2] / "shared" / "traces"
 AZURE_CONV = TRACES / "azure_llm_2023_conv.csv"

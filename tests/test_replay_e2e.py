@@ -14,12 +14,14 @@ import pytest
 from click.testing import CliRunner
 
 from sarazmq.cli import main
-from sarazmq.cli.workload_options import parse_id_ranges, workload_spec
+from sarazmq.cli.workload_options import workload_spec
 from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.replay.describe import describe
 from sarazmq.replay.driver import clock_check, replay, replay_detailed
 from sarazmq.replay.metrics import RequestRecord, summarize
 from sarazmq.replay.report import write_run
-from sarazmq.replay.workload import WorkloadSpec, build_workload, describe
+from sarazmq.replay.vocabulary import parse_id_ranges
+from sarazmq.replay.workload import WorkloadSpec, build_workload
 
 AZURE_CONV = Path(__file__).parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv"
 # the traces live in ../shared beside the repository (as in CI); skip, like test_replay.py

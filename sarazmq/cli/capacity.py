@@ -11,13 +11,11 @@ from typing import Any
 import click
 
 from sarazmq.cli.options import engine_config, engine_options
+from sarazmq.cli.runs import engine_line, run_settings, run_workload
 from sarazmq.cli.workload_options import (
     TRACE_HELP,
-    engine_line,
     parse_policies,
     prepare_workload,
-    run_settings,
-    run_workload,
     workload_options,
 )
 from sarazmq.config import DeploymentConfig
@@ -30,10 +28,11 @@ from sarazmq.replay.capacity import (
     find_capacity,
     format_capacity,
 )
+from sarazmq.replay.describe import describe, format_header
 from sarazmq.replay.driver import target
 from sarazmq.replay.metrics import summarize
 from sarazmq.replay.report import write_run
-from sarazmq.replay.workload import WorkloadSpec, build_workload, describe, format_header
+from sarazmq.replay.workload import WorkloadSpec, build_workload
 
 _CAPACITY_HELP = (
     """Find each policy's capacity on TRACE: the highest request rate at which P99 TBT <=

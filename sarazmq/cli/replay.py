@@ -9,21 +9,18 @@ from typing import Any
 import click
 
 from sarazmq.cli.options import engine_config, engine_options
+from sarazmq.cli.runs import check_fit, engine_line, run_settings, run_workload
 from sarazmq.cli.workload_options import (
     TRACE_HELP,
-    check_fit,
-    engine_line,
     parse_policies,
     prepare_workload,
-    run_settings,
-    run_workload,
     workload_options,
 )
 from sarazmq.config import DeploymentConfig
+from sarazmq.replay.describe import format_header
 from sarazmq.replay.driver import target
 from sarazmq.replay.metrics import summarize
 from sarazmq.replay.report import format_comparison, format_table, write_comparison, write_run
-from sarazmq.replay.workload import format_header
 
 _REPLAY_HELP = (
     """Replay TRACE against a deployment and report Sarathi-Serve's metrics.

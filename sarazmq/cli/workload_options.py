@@ -15,7 +15,6 @@ A synthetic workload needs `--max-requests` and an arrival process (`--qps`, or
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,19 +22,17 @@ from typing import Any
 import click
 
 from sarazmq.config import POLICIES
-from sarazmq.replay.driver import ReplayOutcome, clock_check, replay_detailed
+from sarazmq.replay.describe import describe
 from sarazmq.replay.traces import TRACE_KINDS
+from sarazmq.replay.vocabulary import prompt_vocabulary
 from sarazmq.replay.workload import (
     ARRIVAL_KINDS,
     WorkloadRequest,
     WorkloadSpec,
     build_workload,
-    describe,
 )
 
 SYNTHETIC = ("fixed", "uniform", "zipf")
-#: A request sent this much later than due means the arrival process was not honoured.
-SEND_LAG_WARN_S = 0.25
 
 TRACE_HELP = """TRACE is a trace file (Azure LLM trace CSV, Mooncake JSONL, Sarathi's
 ShareGPT lengths CSV; the kind is read from the header) or a synthetic workload:
@@ -205,47 +202,6 @@ def workload_options(*, retime: bool) -> Callable[[Any], Any]:
 # ---------------------------------------------------------------------------- helpers
 
 
-def parse_id_ranges(text: str) -> tuple[int, ...]:
-    """'0-16,100' -> (0, 1, ..., 16, 100). Raises ValueError naming the bad part."""
-    out: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        try:
-            a = int(lo)
-            b = int(hi) if sep else a
-        except ValueError:
-            raise ValueError(f"--avoid-ids: {part!r} is not an id or a range LO-HI") from None
-        if a < 0 or b < a:
-            raise ValueError(f"--avoid-ids: {part!r} must be ids >= 0 with LO <= HI")
-        out.update(range(a, b + 1))
-    return tuple(sorted(out))
-
-
-def prompt_vocabulary(model: str, vocab_size: int, avoid: str) -> tuple[int, tuple[int, ...]]:
-    """(vocab_size, avoid_ids) for the prompts: the given values, or read from the model
-    (its config for the vocabulary, its tokenizer's special tokens for 'auto')."""
-    if vocab_size < 0:
-        raise ValueError(f"--vocab-size={vocab_size} must be >= 0")
-    from sarazmq.model.loader import load_model_config, load_tokenizer, resolve_model
-
-    source = None
-    if vocab_size == 0 or avoid == "auto":
-        source = resolve_model(model)
-    if vocab_size == 0:
-        assert source is not None
-        vocab_size = load_model_config(source).vocab_size
-    if avoid != "auto":
-        return vocab_size, parse_id_ranges(avoid)
-    assert source is not None
-    tok = load_tokenizer(source)
-    special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
-    special.update(tok.all_special_ids)
-    return vocab_size, tuple(sorted(special))
-
-
 def workload_spec(
     trace: str, kw: Mapping[str, Any], vocab: int, avoid: Sequence[int]
 ) -> WorkloadSpec:
@@ -292,72 +248,6 @@ def parse_policies(text: str, option: str) -> list[str]:
     if len(set(names)) != len(names):
         raise click.BadParameter(f"{text!r} names a policy twice", param_hint=option)
     return names
-
-
-def engine_line(kw: Mapping[str, Any], policy: str) -> str:
-    return (
-        f"engine: {kw['model']}  scheduler: {policy}  chunk: {kw['chunk_size']}  "
-        f"max_num_seqs: {kw['max_num_seqs']}  dtype: {kw['dtype']}  "
-        f"tp: {kw['tensor_parallel_size']}  "
-        f"kv blocks: {kw['num_kv_blocks'] or 'auto'}  max_model_len: {kw['max_model_len'] or 'auto'}"
-    )
-
-
-def check_fit(requests: Sequence[WorkloadRequest], engine: Mapping[str, Any]) -> None:
-    """Warns when a request cannot reach its output length on the started deployment."""
-    sched = engine.get("scheduler")
-    if not isinstance(sched, Mapping) or not sched.get("max_model_len"):
-        return
-    limit = int(sched["max_model_len"])
-    over = sum(1 for r in requests if r.input_tokens + r.output_tokens > limit)
-    if over:
-        click.echo(
-            f"warning: {over} request(s) exceed max_model_len={limit} (prompt + output) and "
-            "will stop short or be rejected; clip with --max-input-tokens/--max-output-tokens",
-            err=True,
-        )
-
-
-def run_workload(
-    endpoint: str,
-    requests: Sequence[WorkloadRequest],
-    kw: Mapping[str, Any],
-    description: str,
-    *,
-    warmup: bool = True,
-) -> ReplayOutcome:
-    out = asyncio.run(
-        replay_detailed(
-            endpoint,
-            requests,
-            progress=kw["progress"],
-            concurrency_limit=kw["concurrency"],
-            temperature=kw["temperature"],
-            seed=kw["seed"],
-            timeout=kw["request_timeout"],
-            description=description,
-            warmup=warmup,
-        )
-    )
-    warning = clock_check(out.records)
-    if warning:
-        click.echo(f"warning: {warning}", err=True)
-    if out.max_send_lag_s > SEND_LAG_WARN_S and kw["concurrency"] is None:
-        click.echo(
-            f"warning: a request was sent {out.max_send_lag_s:.2f} s after it was due (the "
-            "client was too busy); arrivals are recorded as actual send times",
-            err=True,
-        )
-    return out
-
-
-def run_settings(out: ReplayOutcome, engine: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        **out.settings,
-        "engine": dict(engine),
-        "wall_s": out.wall_s,
-        "max_send_lag_s": out.max_send_lag_s,
-    }
 
 
 def prepare_workload(

@@ -6,7 +6,8 @@ production trace is fitted to a small machine (a window of rows, stretched time,
 and clipped lengths). `build_workload` turns it into `WorkloadRequest`s whose prompts are
 random token ids of exactly the requested length, as Sarathi-Serve's benchmark does; the
 driver sends each with `ignore_eos=True` and `max_tokens=output_tokens` so that the output
-length is exactly the trace's too. `describe` reports what was done, for the run header.
+length is exactly the trace's too. `sarazmq.replay.describe` reports what was done, for
+the run header.
 
 Order of operations: select rows (`start`, `max_requests`) -> lengths (source, then
 `length_scale`, then clip to [min, max]) -> arrivals (source, then `time_scale`) -> prompts.
@@ -27,6 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from sarazmq.replay.distributions import (
+    gamma_arrivals,
+    uniform_lengths,
+    zipf_lengths,
+)
 from sarazmq.replay.traces import MOONCAKE_BLOCK_TOKENS, TraceRow, load_trace
 
 LENGTH_KINDS = ("auto", "fixed", "uniform", "zipf", "trace")
@@ -273,46 +279,7 @@ def _rng(seed: int, stream: int, *more: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream, *more])
 
 
-def poisson_arrivals(n: int, qps: float, rng: np.random.Generator) -> np.ndarray:
-    """n arrival times [n] of a Poisson process at `qps`; the first request at 0."""
-    return gamma_arrivals(n, qps, 1.0, rng)
-
-
-def gamma_arrivals(n: int, qps: float, cv: float, rng: np.random.Generator) -> np.ndarray:
-    """n arrival times [n] whose gaps are gamma with mean 1/qps and coefficient of
-    variation cv (shape 1/cv^2; cv=1 is Poisson, cv>1 bursty); the first request at 0."""
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
-    if not (qps > 0 and math.isfinite(qps)):
-        raise ValueError(f"qps={qps} must be a finite number > 0")
-    if not (cv > 0 and math.isfinite(cv)):
-        raise ValueError(f"cv={cv} must be a finite number > 0")
-    if n == 0:
-        return np.zeros(0)
-    shape = 1.0 / (cv * cv)
-    gaps = rng.gamma(shape, 1.0 / (qps * shape), size=n - 1)  # [n-1], mean 1/qps
-    return np.concatenate([[0.0], np.cumsum(gaps)])
-
-
-def uniform_lengths(n: int, lo: int, hi: int, rng: np.random.Generator) -> np.ndarray:
-    """n integers [n] uniform on [lo, hi] (inclusive)."""
-    if not 1 <= lo <= hi:
-        raise ValueError(f"range ({lo}, {hi}) must satisfy 1 <= lo <= hi")
-    return rng.integers(lo, hi + 1, size=n)
-
-
-def zipf_lengths(n: int, theta: float, lo: int, hi: int, rng: np.random.Generator) -> np.ndarray:
-    """n integers [n] on [lo, hi] with P(lo + k) proportional to (k + 1)^-theta: a bounded
-    Zipf law, so the shortest lengths are the most frequent (any theta > 0 works)."""
-    if not 1 <= lo <= hi:
-        raise ValueError(f"range ({lo}, {hi}) must satisfy 1 <= lo <= hi")
-    if not theta > 0:
-        raise ValueError(f"theta={theta} must be > 0")
-    weights = np.arange(1, hi - lo + 2, dtype=np.float64) ** -theta  # [hi-lo+1]
-    return lo + rng.choice(hi - lo + 1, size=n, p=weights / weights.sum())
-
-
-def _fit_lengths(
+def fit_lengths(
     raw: np.ndarray, scale: float, lo: int, hi: int | None
 ) -> tuple[np.ndarray, int, int]:
     """Scale (round half up) then clip to [lo, hi]; returns (lengths, n_clipped, n_raised)."""
@@ -399,10 +366,10 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
         assert spec.max_requests is not None
         n = spec.max_requests
     src_in, src_out = _source_lengths(spec, rows, n)
-    fit_in, _, _ = _fit_lengths(
+    fit_in, _, _ = fit_lengths(
         src_in, spec.length_scale, spec.min_input_tokens, spec.max_input_tokens
     )
-    fit_out, _, _ = _fit_lengths(
+    fit_out, _, _ = fit_lengths(
         src_out, spec.length_scale, spec.min_output_tokens, spec.max_output_tokens
     )
     arrivals = _arrivals(spec, rows, n)
@@ -428,99 +395,3 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
 
 
 # ---------------------------------------------------------------------------- describe
-
-
-def _length_stats(
-    source: np.ndarray, fitted: np.ndarray, scale: float, lo: int, hi: int | None
-) -> dict[str, Any]:
-    _, n_clipped, n_raised = _fit_lengths(source, scale, lo, hi)
-    return {
-        "source_mean": float(source.mean()) if len(source) else None,
-        "mean": float(fitted.mean()) if len(fitted) else None,
-        "min": int(fitted.min()) if len(fitted) else None,
-        "max": int(fitted.max()) if len(fitted) else None,
-        "total": int(fitted.sum()),
-        "clipped_to_max": n_clipped,
-        "raised_to_min": n_raised,
-    }
-
-
-def describe(spec: WorkloadSpec, requests: Sequence[WorkloadRequest]) -> dict[str, Any]:
-    """What `build_workload(spec)` did, JSON-ready: the spec, the resolved length and
-    arrival sources, trace rows read and used, how many lengths were clipped or raised,
-    mean lengths before and after fitting, the arrival span and its effective rate.
-
-    duration_s is last arrival - first; effective_qps = (n - 1) / duration_s (n arrivals
-    span n - 1 gaps), None when every request arrives at once.
-    """
-    info: dict[str, Any] = {
-        "spec": spec.to_dict(),
-        "lengths": spec.resolved_lengths(),
-        "arrivals": spec.resolved_arrivals(),
-        "num_requests": len(requests),
-    }
-    if spec.trace_path is not None:
-        rows_in_trace = len(load_trace(spec.trace_path, spec.trace_kind))
-        info["trace"] = {
-            "path": str(Path(spec.trace_path)),
-            "rows_in_trace": rows_in_trace,
-            "start": spec.start,
-            "rows_used": len(requests),
-        }
-    src_in = np.array([r.source_input_tokens for r in requests], dtype=np.int64)
-    src_out = np.array([r.source_output_tokens for r in requests], dtype=np.int64)
-    fit_in = np.array([r.input_tokens for r in requests], dtype=np.int64)
-    fit_out = np.array([r.output_tokens for r in requests], dtype=np.int64)
-    info["input_tokens"] = _length_stats(
-        src_in, fit_in, spec.length_scale, spec.min_input_tokens, spec.max_input_tokens
-    )
-    info["output_tokens"] = _length_stats(
-        src_out, fit_out, spec.length_scale, spec.min_output_tokens, spec.max_output_tokens
-    )
-    times = np.array([r.arrival_s for r in requests], dtype=np.float64)
-    duration = float(times.max() - times.min()) if len(times) else 0.0
-    gaps = np.diff(times)
-    info["duration_s"] = duration
-    info["effective_qps"] = (len(times) - 1) / duration if duration > 0 else None
-    info["interarrival_cv"] = (
-        float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else None
-    )
-    return info
-
-
-def format_header(info: dict[str, Any]) -> str:
-    """A few readable lines of `describe`'s output for the top of a run."""
-    spec = info["spec"]
-    lines = []
-    if "trace" in info:
-        t = info["trace"]
-        lines.append(
-            f"trace: {t['path']} rows {t['start']}..{t['start'] + t['rows_used'] - 1} "
-            f"of {t['rows_in_trace']}"
-        )
-    arr = info["arrivals"]
-    if arr in ("poisson", "gamma"):
-        arr += f"(qps={spec['qps']}" + (f", cv={spec['cv']})" if arr == "gamma" else ")")
-    lines.append(
-        f"requests: {info['num_requests']}  lengths: {info['lengths']}  arrivals: {arr}  "
-        f"time_scale: {spec['time_scale']}  length_scale: {spec['length_scale']}  "
-        f"seed: {spec['seed']}"
-    )
-    for key, lo, hi in (
-        ("input_tokens", "min_input_tokens", "max_input_tokens"),
-        ("output_tokens", "min_output_tokens", "max_output_tokens"),
-    ):
-        s = info[key]
-        mean = "-" if s["mean"] is None else f"{s['mean']:.1f}"
-        src = "-" if s["source_mean"] is None else f"{s['source_mean']:.1f}"
-        lines.append(
-            f"{key}: mean {mean} (source {src}), range [{s['min']}, {s['max']}], "
-            f"limits [{spec[lo]}, {spec[hi]}]: {s['clipped_to_max']} clipped, "
-            f"{s['raised_to_min']} raised"
-        )
-    qps = info["effective_qps"]
-    lines.append(
-        f"arrivals span {info['duration_s']:.2f} s, effective rate "
-        + ("all at once" if qps is None else f"{qps:.3f} req/s")
-    )
-    return "\n".join(lines)

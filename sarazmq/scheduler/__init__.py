@@ -5,6 +5,7 @@
 - `policies`: Sarathi-Serve's stall-free hybrid batches and its four baselines.
 - `scheduler.Scheduler`: requests, the pool and the policy; builds each iteration's
   `BatchPlan` diff (`build_scheduler` is the one way to build it from a config).
+- `stats`: the counters and per-iteration records it reports.
 - `service.SchedulerService`: what the process does around it (rejections, routing
   deltas to detokenizer shards, deferring control while a plan is in flight).
 
@@ -14,12 +15,7 @@ The process loop is `sarazmq.procs.scheduler`.
 from sarazmq.scheduler.block_manager import BlockAllocationError, BlockManager
 from sarazmq.scheduler.policies import POLICY_CLASSES, Policy, make_policy
 from sarazmq.scheduler.request import Request, RequestStatus
-from sarazmq.scheduler.scheduler import (
-    IterationRecord,
-    Scheduler,
-    SchedulerStats,
-    build_scheduler,
-)
+from sarazmq.scheduler.scheduler import Scheduler, build_scheduler
 from sarazmq.scheduler.service import SchedulerActions, SchedulerService
 
 __all__ = [

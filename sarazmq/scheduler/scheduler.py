@@ -28,8 +28,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import msgspec
-
 from sarazmq.config import EngineConfig, ModelConfig, SchedulerConfig
 from sarazmq.protocol.common import (
     FINISH_ABORT,
@@ -45,40 +43,8 @@ from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.block_manager import BlockManager
 from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
 from sarazmq.scheduler.request import Request, RequestStatus
+from sarazmq.scheduler.stats import MAX_ITERATION_RECORDS, IterationRecord, SchedulerStats
 from sarazmq.validation import InvalidRequestError, check_prompt_token_ids
-
-MAX_ITERATION_RECORDS = 200_000
-
-
-class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One completed iteration (appended by process_result).
-
-    start: scheduler clock when the plan was built; end: when its result was processed.
-    forward_s: the worker's own forward time from the StepResult.
-    """
-
-    step: int
-    start: float
-    end: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    num_prefill_seqs: int
-    num_decode_seqs: int
-    num_preempted: int = 0
-    forward_s: float = 0.0
-
-
-class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Point-in-time counters."""
-
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_iterations: int
-    num_preemptions: int
-    num_finished: int = 0
 
 
 class Scheduler:

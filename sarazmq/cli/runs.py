@@ -1,0 +1,81 @@
+"""Running a workload on a deployment for `replay` and `capacity`: the run and its warnings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import click
+
+from sarazmq.replay.driver import ReplayOutcome, clock_check, replay_detailed
+from sarazmq.replay.workload import WorkloadRequest
+
+#: A request sent this much later than due means the arrival process was not honoured.
+SEND_LAG_WARN_S = 0.25
+
+
+def engine_line(kw: Mapping[str, Any], policy: str) -> str:
+    return (
+        f"engine: {kw['model']}  scheduler: {policy}  chunk: {kw['chunk_size']}  "
+        f"max_num_seqs: {kw['max_num_seqs']}  dtype: {kw['dtype']}  "
+        f"tp: {kw['tensor_parallel_size']}  "
+        f"kv blocks: {kw['num_kv_blocks'] or 'auto'}  max_model_len: {kw['max_model_len'] or 'auto'}"
+    )
+
+
+def check_fit(requests: Sequence[WorkloadRequest], engine: Mapping[str, Any]) -> None:
+    """Warns when a request cannot reach its output length on the started deployment."""
+    sched = engine.get("scheduler")
+    if not isinstance(sched, Mapping) or not sched.get("max_model_len"):
+        return
+    limit = int(sched["max_model_len"])
+    over = sum(1 for r in requests if r.input_tokens + r.output_tokens > limit)
+    if over:
+        click.echo(
+            f"warning: {over} request(s) exceed max_model_len={limit} (prompt + output) and "
+            "will stop short or be rejected; clip with --max-input-tokens/--max-output-tokens",
+            err=True,
+        )
+
+
+def run_workload(
+    endpoint: str,
+    requests: Sequence[WorkloadRequest],
+    kw: Mapping[str, Any],
+    description: str,
+    *,
+    warmup: bool = True,
+) -> ReplayOutcome:
+    out = asyncio.run(
+        replay_detailed(
+            endpoint,
+            requests,
+            progress=kw["progress"],
+            concurrency_limit=kw["concurrency"],
+            temperature=kw["temperature"],
+            seed=kw["seed"],
+            timeout=kw["request_timeout"],
+            description=description,
+            warmup=warmup,
+        )
+    )
+    warning = clock_check(out.records)
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
+    if out.max_send_lag_s > SEND_LAG_WARN_S and kw["concurrency"] is None:
+        click.echo(
+            f"warning: a request was sent {out.max_send_lag_s:.2f} s after it was due (the "
+            "client was too busy); arrivals are recorded as actual send times",
+            err=True,
+        )
+    return out
+
+
+def run_settings(out: ReplayOutcome, engine: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        **out.settings,
+        "engine": dict(engine),
+        "wall_s": out.wall_s,
+        "max_send_lag_s": out.max_send_lag_s,
+    }
