@@ -102,3 +102,13 @@ def check_ipc_free(endpoint: str) -> None:
     finally:
         probe.close()
     raise ValueError(f"endpoint {endpoint!r} is in use by another running process")
+
+
+def check_http_bind(host: str, api_key: str | None) -> None:
+    """A non-loopback address serves anyone who can reach it: refuse it without a key."""
+    if not is_loopback_host(host) and not api_key:
+        raise ValueError(
+            f"refusing to serve HTTP on non-loopback {host!r} without an API key: anyone who "
+            "can reach it could use the engine. Pass --api-key or --api-key-file, or bind "
+            "127.0.0.1"
+        )

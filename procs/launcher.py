@@ -27,6 +27,7 @@ from sarazmq.config import DeploymentConfig, EngineConfig
 from sarazmq.procs.common import ProcSpec
 from sarazmq.procs.endpoints import (
     Endpoints,
+    check_http_bind,
     check_ipc_free,
     check_public_endpoint,
     ipc_path,
@@ -60,6 +61,8 @@ class Deployment:
 
     def __init__(self, config: EngineConfig, deployment: DeploymentConfig | None = None) -> None:
         self.deployment = deployment or DeploymentConfig()
+        if self.deployment.http_port is not None:
+            check_http_bind(self.deployment.http_host, self.deployment.api_key)
         if self.deployment.endpoint is not None:
             check_public_endpoint(self.deployment.endpoint, self.deployment.curve)
             check_ipc_free(self.deployment.endpoint)
@@ -94,6 +97,14 @@ class Deployment:
     def endpoint(self) -> str:
         return self.endpoints.public
 
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI-compatible API's base URL (".../v1"), when the deployment serves one."""
+        dep = self.deployment
+        if dep.http_port is None:
+            return None
+        return f"http://{dep.http_host}:{dep.http_port}/v1"
+
     # ---- start ---------------------------------------------------------------------
 
     def _spawn(self, kind: str, index: int, threads: int) -> None:
@@ -123,6 +134,8 @@ class Deployment:
         for i in range(self.deployment.num_detokenizers):
             self._spawn("detokenizer", i, 1)
         self._spawn("frontend", 0, 1)
+        if self.deployment.http_port is not None:
+            self._spawn("api", 0, 1)
         await_ready(
             self._launcher, self.children, self.deployment.ready_timeout, self._stop_requested
         )

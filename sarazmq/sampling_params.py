@@ -16,6 +16,9 @@ import msgspec
 from sarazmq.validation import InvalidRequestError
 
 MAX_LOGPROBS = 20
+#: ints travel as msgpack int64 between processes
+MAX_INT = 2**63 - 1
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -35,6 +38,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
         the output so far (OpenAI semantics).
     logprobs: number of top log-probabilities to return for each sampled token (plus the
         sampled token's own); None = none.
+    cache_salt: extra key of the prefix cache: requests reuse each other's cached KV
+        only when their salts are equal (tenants that must not share pass distinct
+        salts; None = the shared default). It never changes the output.
     """
 
     temperature: float = 1.0
@@ -52,6 +58,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -61,10 +68,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             "a finite number >= 0 (0 = greedy)",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
+        _check(
+            self.top_k == -1 or 1 <= self.top_k <= MAX_INT, "top_k", self.top_k, "-1 (off) or >= 1"
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "[0, 2**63)")
-        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+        _check(1 <= self.max_tokens <= MAX_INT, "max_tokens", self.max_tokens, "[1, 2**63)")
         _check(
             0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -78,7 +87,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             "a list of non-empty strings",
         )
         _check(
-            all(t >= 0 for t in self.stop_token_ids),
+            all(0 <= t <= MAX_INT for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "a list of token ids >= 0",
@@ -106,6 +115,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             "logprobs",
             self.logprobs,
             f"None or [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
+            "cache_salt",
+            self.cache_salt,
+            f"None or a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
         )
 
     @property

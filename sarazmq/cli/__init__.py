@@ -1,6 +1,6 @@
 """The `sarazmq` command line: one module per group of commands, registered here.
 
-- `serve`: serve, keys (a deployment and its keys)
+- `serve`: serve, api, keys (a deployment, its HTTP API, its keys)
 - `client_commands`: generate, chat, health (against a deployment)
 - `replay`, `capacity`: the trace replay harness (`workload_options` is what they share)
 - `options`: options shared by several commands, each defined once
@@ -13,7 +13,7 @@ import click
 from sarazmq.cli.capacity import capacity
 from sarazmq.cli.client_commands import chat, generate, health
 from sarazmq.cli.replay import replay
-from sarazmq.cli.serve import keys, serve
+from sarazmq.cli.serve import api, keys, serve
 
 
 @click.group()
@@ -21,7 +21,7 @@ def main() -> None:
     """sarazmq: Sarathi-Serve style LLM serving over ZeroMQ."""
 
 
-for _command in (serve, keys, health, generate, chat, replay, capacity):
+for _command in (serve, api, keys, health, generate, chat, replay, capacity):
     main.add_command(_command)
 
 __all__ = ["main"]

@@ -56,6 +56,13 @@ engine_options = stack(
     click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
     click.option("--block-size", default=16, show_default=True),
     click.option(
+        "--prefix-caching/--no-prefix-caching",
+        "enable_prefix_caching",
+        default=True,
+        show_default=True,
+        help="reuse the KV of shared prompt prefixes (whole blocks)",
+    ),
+    click.option(
         "--num-kv-blocks",
         default=0,
         show_default=True,
@@ -85,6 +92,12 @@ engine_options = stack(
         default=0,
         show_default=True,
         help="torch threads per worker (0 = cores / tp)",
+    ),
+    click.option(
+        "--max-waiting",
+        default=0,
+        show_default=True,
+        help="refuse new requests (overloaded; HTTP 503) while this many wait (0 = no limit)",
     ),
     click.option(
         "--seed",
@@ -129,3 +142,39 @@ def client_kwargs(curve_server_key_file: str | None) -> dict[str, Any]:
         return {"curve_server_key": load_public_key(curve_server_key_file)}
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+
+
+def read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The HTTP API key from --api-key or --api-key-file (first line), or None."""
+    if api_key and api_key_file:
+        raise click.ClickException("give --api-key or --api-key-file, not both")
+    if api_key_file is None:
+        return api_key or None
+    try:
+        with open(api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise click.ClickException(f"cannot read --api-key-file: {e}") from None
+    if not key:
+        raise click.ClickException(f"--api-key-file {api_key_file} is empty")
+    return key
+
+
+#: The HTTP server's options (serve --http-port ..., and `sarazmq api`).
+http_options = stack(
+    click.option("--http-host", default="127.0.0.1", show_default=True, help="HTTP address"),
+    click.option(
+        "--api-key",
+        default=None,
+        help="bearer key the HTTP /v1/ routes require (required off loopback)",
+    ),
+    click.option(
+        "--api-key-file",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False),
+        help="file whose first line is the API key",
+    ),
+    click.option(
+        "--max-body-mb", default=4.0, show_default=True, help="largest HTTP request body (MiB)"
+    ),
+)

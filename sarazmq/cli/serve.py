@@ -1,4 +1,5 @@
-"""`sarazmq serve` (a multi-process deployment until SIGINT/SIGTERM) and `sarazmq keys`."""
+"""`sarazmq serve` (a multi-process deployment until SIGINT/SIGTERM), `sarazmq api` (the HTTP
+API for a running deployment) and `sarazmq keys`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ from typing import Any
 
 import click
 
-from sarazmq.cli.options import engine_config, engine_options
-from sarazmq.config import DEFAULT_CLIENT_TIMEOUT_S, RESTART_POLICIES, CurveKeys, DeploymentConfig
+from sarazmq.cli.options import engine_config, engine_options, http_options, read_api_key
+from sarazmq.config import (
+    DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_MODEL,
+    RESTART_POLICIES,
+    CurveKeys,
+    DeploymentConfig,
+)
 
 
 @click.command()
@@ -47,6 +54,13 @@ from sarazmq.config import DEFAULT_CLIENT_TIMEOUT_S, RESTART_POLICIES, CurveKeys
     show_default=True,
     help="seconds a client may leave heartbeats unanswered before its requests are aborted",
 )
+@click.option(
+    "--http-port",
+    type=int,
+    default=None,
+    help="also serve the OpenAI-compatible HTTP API on this port",
+)
+@http_options
 @click.option("--log-level", default="WARNING", show_default=True)
 def serve(
     endpoint: str | None,
@@ -55,6 +69,11 @@ def serve(
     max_restarts: int,
     drain_timeout: float,
     client_timeout: float,
+    http_port: int | None,
+    http_host: str,
+    api_key: str | None,
+    api_key_file: str | None,
+    max_body_mb: float,
     log_level: str,
     **kw: Any,
 ) -> None:
@@ -65,6 +84,7 @@ def serve(
     from sarazmq.procs.launcher import Deployment, DeploymentError
 
     config = engine_config(kw)
+    key = read_api_key(api_key, api_key_file)
     curve = None
     try:
         if curve_key_file is not None:
@@ -83,6 +103,10 @@ def serve(
                 max_restarts=max_restarts,
                 drain_timeout=drain_timeout,
                 client_timeout=client_timeout,
+                http_port=http_port,
+                http_host=http_host,
+                api_key=key,
+                max_body_mb=max_body_mb,
             ),
         )
     except (OSError, ValueError) as e:
@@ -101,7 +125,10 @@ def serve(
     click.echo(
         f"sarazmq serving {dep.config.model} ({sched.policy}, chunk {sched.chunk_size}, "
         f"tp {dep.config.tensor_parallel_size}, {dep.config.cache.num_blocks} KV blocks) on "
-        f"{dep.endpoint}" + (" (CurveZMQ)" if curve else "") + f"; internal sockets in {dep.rundir}"
+        f"{dep.endpoint}"
+        + (" (CurveZMQ)" if curve else "")
+        + (f", OpenAI API at {dep.http_url}" if dep.http_url else "")
+        + f"; internal sockets in {dep.rundir}"
     )
     sys.stdout.flush()
     while not dep.done:
@@ -135,3 +162,72 @@ def keys(directory: str, name: str) -> None:
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+@click.command()
+@click.option("--connect", required=True, help="public endpoint of a running deployment")
+@click.option("--port", default=8000, show_default=True, help="HTTP port")
+@http_options
+@click.option(
+    "--model",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="the deployment's model (its name is the served model id; its tokenizer shows "
+    "logprob tokens)",
+)
+@click.option("--max-model-len", default=0, show_default=True, help="0: the model's context")
+@click.option(
+    "--curve-server-key-file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="the deployment's public key file, for a CurveZMQ endpoint",
+)
+@click.option("--log-level", default="WARNING", show_default=True)
+def api(
+    connect: str,
+    port: int,
+    http_host: str,
+    api_key: str | None,
+    api_key_file: str | None,
+    max_body_mb: float,
+    model: str,
+    max_model_len: int,
+    curve_server_key_file: str | None,
+    log_level: str,
+) -> None:
+    """Serve the OpenAI-compatible HTTP API for a running deployment (until Ctrl-C)."""
+    import asyncio
+
+    from sarazmq.api.app import APIConfig
+    from sarazmq.api.server import HTTPBind, serve_http
+    from sarazmq.cli.options import client_kwargs
+    from sarazmq.model.loader import load_model_config, load_tokenizer, resolve_model
+    from sarazmq.procs.endpoints import check_http_bind
+
+    key = read_api_key(api_key, api_key_file)
+    try:
+        check_http_bind(http_host, key)
+        source = resolve_model(model)
+        context = max_model_len or load_model_config(source).max_position
+        tokenizer = load_tokenizer(source)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    config = APIConfig(
+        endpoint=connect,
+        model_name=model,
+        max_model_len=context,
+        api_key=key,
+        max_body_bytes=int(max_body_mb * (1 << 20)),
+        curve_server_key=client_kwargs(curve_server_key_file).get("curve_server_key"),
+    )
+
+    def listening() -> None:
+        click.echo(f"sarazmq api: OpenAI API at http://{http_host}:{port}/v1 for {connect}")
+        sys.stdout.flush()
+
+    try:
+        asyncio.run(serve_http(config, HTTPBind(http_host, port), tokenizer, listening, log_level))
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:
+        raise click.ClickException(f"cannot serve on {http_host}:{port}: {e}") from None

@@ -12,13 +12,18 @@ class EngineError(RuntimeError):
 
 
 class RequestError(EngineError):
-    """The engine rejected one request (bad input); `request_id` says which, `field`
-    names the offending field when the engine could tell ("prompt", "params.top_p", ...)."""
+    """The engine refused or failed one request; `request_id` says which, `field` names
+    the offending field when the input was bad ("prompt", "params.top_p", ...), and
+    `error_type` says whose fault it is: "invalid_request", "overloaded" (retry later) or
+    "engine"."""
 
-    def __init__(self, request_id: str, message: str, field: str = "") -> None:
+    def __init__(
+        self, request_id: str, message: str, field: str = "", error_type: str = ""
+    ) -> None:
         super().__init__(message)
         self.request_id = request_id
         self.field = field
+        self.error_type = error_type
 
 
 class HealthReport(msgspec.Struct, kw_only=True):

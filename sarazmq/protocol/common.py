@@ -15,6 +15,14 @@ FINISH_STOP: FinishReason = "stop"
 FINISH_LENGTH: FinishReason = "length"
 FINISH_ABORT: FinishReason = "abort"
 FINISH_ERROR: FinishReason = "error"
+#: Why a request failed (with finish reason "error"): its input was invalid (the error
+#: names the field), the engine is overloaded or shutting down (retry later), or the
+#: engine failed.
+ErrorType = Literal["", "invalid_request", "overloaded", "engine"]
+ERROR_INVALID: ErrorType = "invalid_request"
+ERROR_OVERLOADED: ErrorType = "overloaded"
+ERROR_ENGINE: ErrorType = "engine"
+
 #: A finish reason, or "" while the request is still running.
 MaybeFinishReason = Literal["", "stop", "length", "abort", "error"]
 

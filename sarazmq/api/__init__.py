@@ -1,0 +1,9 @@
+"""The OpenAI-compatible HTTP server (a client of the deployment's frontend).
+
+- `app.OpenAIServer`: the routes (/v1/completions, /v1/chat/completions, /v1/models,
+  /health, /version, /metrics), auth and limits.
+- `schemas`: OpenAI request bodies and their translation to `SamplingParams`.
+- `streams`: opening, collecting and streaming (SSE) generations.
+- `responses`, `encoding`, `errors`, `metrics`: bodies, JSON, OpenAI errors, Prometheus.
+- `server`: running it on uvicorn (the deployment's `api` process, or `sarazmq api`).
+"""
