@@ -70,7 +70,9 @@ def test_completion_streaming_matches_and_reports_usage(client: openai.OpenAI, l
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == [ref.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
@@ -80,14 +82,10 @@ def test_token_id_prompts_and_batches(client: openai.OpenAI, llm: LLM) -> None:
     (ref,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))
     one = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert one.choices[0].text == ref.text
-    many = client.completions.create(
-        model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0
-    )
+    many = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0)
     assert [c.index for c in many.choices] == [0, 1]
     assert all(c.text == ref.text for c in many.choices)
-    texts = client.completions.create(
-        model=MODEL, prompt=PROMPTS[:2], max_tokens=8, temperature=0
-    )
+    texts = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
     refs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8))
     assert [c.text for c in texts.choices] == [r.text for r in refs]
     assert texts.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
@@ -199,3 +197,39 @@ def test_models_version_health_metrics(server: HTTPServer, client: openai.OpenAI
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
         text = http.get("/metrics").text
     assert "sarazmq:iteration_tokens_total_count" in text
+
+
+def test_replay_through_the_openai_api_and_replay_diff(server: HTTPServer, tmp_path) -> None:
+    """The same workload replayed through HTTP (client timestamps) and through ZeroMQ
+    (server timestamps), then compared by `replay-diff`."""
+    from click.testing import CliRunner
+
+    from sarazmq.cli import main
+
+    workload = ["replay", "fixed", "--max-requests", "6", "--input-tokens", "24",
+                "--output-tokens", "6", "--arrivals", "all_at_once", "--no-progress",
+                "--vocab-size", "1000", "--avoid-ids", "0-16"]  # fmt: skip
+    http_dir, zmq_dir = tmp_path / "http", tmp_path / "zmq"
+    r = CliRunner().invoke(main, [*workload, "--openai-url", server.base_url,
+                                  "--openai-api-key", API_KEY, "--output-dir", str(http_dir)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(
+        main, [*workload, "--connect", server.deployment.endpoint, "--output-dir", str(zmq_dir)]
+    )
+    assert r.exit_code == 0, r.output
+    import json
+
+    http_summary = json.loads((http_dir / "summary.json").read_text())
+    assert http_summary["num_completed"] == 6 and http_summary["num_errors"] == 0
+    assert http_summary["tbt_s"]["count"] == 6 * 5  # one SSE chunk per token
+    # what only the engine knows is missing, not estimated
+    assert http_summary["scheduling_delay_s"]["count"] == 0
+    assert http_summary["iterations"]["count"] == 0
+    assert http_summary["settings"]["timestamps"] == "client"
+    r = CliRunner().invoke(
+        main, ["replay-diff", str(http_dir), str(zmq_dir), "--name", "http", "--name", "zmq"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "http/zmq" in r.output
+    assert (http_dir / "diff" / "comparison.json").is_file()
+    assert (http_dir / "diff" / "compare_tbt_cdf.png").stat().st_size > 0

@@ -224,8 +224,18 @@ def test_a_client_that_never_reads_has_bounded_memory(server: HTTPServer) -> Non
 
 def test_non_loopback_bind_without_key_is_refused() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "sarazmq.cli", "api", "--connect", "ipc:///nonexistent",
-         "--http-host", "0.0.0.0", "--port", "1"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "sarazmq.cli",
+            "api",
+            "--connect",
+            "ipc:///nonexistent",
+            "--http-host",
+            "0.0.0.0",
+            "--port",
+            "1",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=60,

@@ -2,7 +2,8 @@
 
 - `serve`: serve, api, keys (a deployment, its HTTP API, its keys)
 - `client_commands`: generate, chat, health (against a deployment)
-- `replay`, `capacity`: the trace replay harness (`workload_options` is what they share)
+- `replay`, `replay_diff`, `capacity`: the trace replay harness (`workload_options` and
+  `runs` are what they share)
 - `options`: options shared by several commands, each defined once
 """
 
@@ -13,6 +14,7 @@ import click
 from sarazmq.cli.capacity import capacity
 from sarazmq.cli.client_commands import chat, generate, health
 from sarazmq.cli.replay import replay
+from sarazmq.cli.replay_diff import replay_diff
 from sarazmq.cli.serve import api, keys, serve
 
 
@@ -21,7 +23,7 @@ def main() -> None:
     """sarazmq: Sarathi-Serve style LLM serving over ZeroMQ."""
 
 
-for _command in (serve, api, keys, health, generate, chat, replay, capacity):
+for _command in (serve, api, keys, health, generate, chat, replay, replay_diff, capacity):
     main.add_command(_command)
 
 __all__ = ["main"]

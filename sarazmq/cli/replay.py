@@ -57,6 +57,13 @@ comparison.json/.txt and overlaid CDFs are written, with ratios to --baseline.
     default=None,
     help="policy the comparison's ratios are taken against (default: vllm when compared)",
 )
+@click.option(
+    "--openai-url",
+    default=None,
+    help="replay through this OpenAI-compatible server (http://HOST:PORT/v1: ours, vLLM, "
+    "...) instead of a sarazmq deployment; --model is the model name it serves",
+)
+@click.option("--openai-api-key", default=None, help="bearer key for --openai-url")
 @engine_options
 def replay(trace: str, **kw: Any) -> None:
     """Replay TRACE against a deployment and report Sarathi-Serve's metrics (help text:
@@ -67,11 +74,14 @@ def replay(trace: str, **kw: Any) -> None:
         raise click.BadParameter("must be > 0", param_hint="--slo-tbt")
     policies = parse_policies(kw["compare"], "--compare") if kw["compare"] else [kw["scheduler"]]
     comparing = kw["compare"] is not None
-    if comparing and kw["connect"]:
+    if comparing and (kw["connect"] or kw["openai_url"]):
         raise click.BadParameter(
-            "--compare starts a fresh deployment per policy; it cannot use --connect",
+            "--compare starts a fresh deployment per policy; it cannot use --connect or "
+            "--openai-url (compare another server with two replays and `sarazmq replay-diff`)",
             param_hint="--compare",
         )
+    if kw["connect"] and kw["openai_url"]:
+        raise click.BadParameter("give --connect or --openai-url, not both", param_hint="--connect")
     baseline = kw["baseline"]
     if baseline is None and comparing and "vllm" in policies:
         baseline = "vllm"
@@ -83,16 +93,17 @@ def replay(trace: str, **kw: Any) -> None:
     out_dir = Path(kw["output_dir"])
     summaries: dict[str, dict[str, Any]] = {}
     records = {}
+    remote = kw["connect"] or kw["openai_url"]
     for policy in policies:
         run_kw = {**kw, "scheduler": policy}
-        click.echo(engine_line(run_kw, policy) if not kw["connect"] else f"target: {kw['connect']}")
-        config = None if kw["connect"] else engine_config(run_kw)
+        click.echo(engine_line(run_kw, policy) if not remote else f"target: {remote}")
+        config = None if remote else engine_config(run_kw)
         t0 = time.monotonic()
         try:
             with target(
-                kw["connect"], config, DeploymentConfig(num_detokenizers=kw["num_detokenizers"])
+                remote, config, DeploymentConfig(num_detokenizers=kw["num_detokenizers"])
             ) as (endpoint, engine):
-                if not kw["connect"]:
+                if not remote:
                     click.echo(f"deployment ready in {time.monotonic() - t0:.1f} s", err=True)
                 check_fit(requests, engine)
                 out = run_workload(endpoint, requests, kw, policy if comparing else "replay")

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from sarazmq.replay.driver import ReplayOutcome, clock_check, replay_detailed
+from sarazmq.replay.openai_driver import replay_openai
 from sarazmq.replay.workload import WorkloadRequest
 
 #: A request sent this much later than due means the arrival process was not honoured.
@@ -47,19 +48,25 @@ def run_workload(
     *,
     warmup: bool = True,
 ) -> ReplayOutcome:
-    out = asyncio.run(
-        replay_detailed(
-            endpoint,
-            requests,
-            progress=kw["progress"],
-            concurrency_limit=kw["concurrency"],
-            temperature=kw["temperature"],
-            seed=kw["seed"],
-            timeout=kw["request_timeout"],
-            description=description,
-            warmup=warmup,
+    """Replays `requests` against a ZeroMQ endpoint, or (kw["openai_url"]) through an
+    OpenAI-compatible server's streaming API; warns about clocks and send lag."""
+    common = {
+        "progress": kw["progress"],
+        "concurrency_limit": kw["concurrency"],
+        "temperature": kw["temperature"],
+        "seed": kw["seed"],
+        "timeout": kw["request_timeout"],
+        "description": description,
+        "warmup": warmup,
+    }
+    if kw.get("openai_url"):
+        out = asyncio.run(
+            replay_openai(
+                kw["openai_url"], kw["model"], requests, api_key=kw.get("openai_api_key"), **common
+            )
         )
-    )
+    else:
+        out = asyncio.run(replay_detailed(endpoint, requests, **common))
     warning = clock_check(out.records)
     if warning:
         click.echo(f"warning: {warning}", err=True)

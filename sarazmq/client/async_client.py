@@ -34,6 +34,7 @@ from sarazmq.protocol.client import (
     OutputDelta,
     Pong,
     ProtocolError,
+    ResetPrefixCacheRequest,
     ServerMessage,
     StatsReply,
     StatsRequest,
@@ -205,7 +206,11 @@ class AsyncClient:
 
     async def _send(self, msg: ClientMessage) -> None:
         sock = self._ensure_connected()
-        await sock.send(self._encoder.encode(msg))
+        try:
+            frame = self._encoder.encode(msg)
+        except OverflowError as e:  # an int the wire's int64 cannot carry
+            raise ValueError(f"cannot send the request: {e}") from None
+        await sock.send(frame)
 
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -255,7 +260,9 @@ class AsyncClient:
                     raise item
                 if item.finish_reason == FINISH_ERROR:
                     finished = True
-                    raise RequestError(rid, item.error or "request failed", item.error_field)
+                    raise RequestError(
+                        rid, item.error or "request failed", item.error_field, item.error_type
+                    )
                 if item.finish_reason:
                     finished = True
                 yield item
@@ -325,6 +332,24 @@ class AsyncClient:
             raise EngineError(f"stats request timed out after {timeout} s") from None
         finally:
             self._stats_waiters.pop(rid, None)
+
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> None:
+        """Makes the engine forget every cached prefix block (e.g. before a benchmark).
+        Raises EngineError saying why when refused: the engine must be idle (no request
+        holding KV blocks)."""
+        rid = self.new_request_id()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[rid] = fut
+        try:
+            await self._send(ResetPrefixCacheRequest(request_id=rid))
+            reply = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(f"reset_prefix_cache timed out after {timeout} s") from None
+        finally:
+            self._stats_waiters.pop(rid, None)
+        if not reply.get("reset"):
+            why = reply.get("error") or reply.get("dead") or "no answer"
+            raise EngineError(f"reset_prefix_cache refused: {why}")
 
     async def health(self, timeout: float = 10.0) -> HealthReport:
         """Runs a real one-token generation (tokenizer, scheduler, worker, detokenizer)

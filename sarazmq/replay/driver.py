@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +146,73 @@ def _iteration_samples(raw: Sequence[dict[str, Any]], step_from: int) -> list[It
     return out
 
 
+def warmup_prompt(first: WorkloadRequest) -> list[int]:
+    """A short prompt like the workload's first, for the untimed warm-up request."""
+    if first.prompts is None:
+        return [100] * WARMUP_PROMPT_TOKENS
+    n = min(first.input_tokens, WARMUP_PROMPT_TOKENS)
+    return first.prompts.tokens(n, first.source_index, first.hash_ids)
+
+
+SendOne = Callable[[WorkloadRequest, list[int]], Awaitable[RequestRecord]]
+
+
+async def drive(
+    requests: Sequence[WorkloadRequest],
+    send_one: SendOne,
+    *,
+    progress: bool,
+    concurrency_limit: int | None,
+    description: str,
+) -> tuple[list[RequestRecord], float, float]:
+    """Sends each request at its arrival time (after the returned start instant) through
+    `send_one`, at most `concurrency_limit` in flight; returns the records in workload
+    order, the start instant and the largest send lag."""
+    n = len(requests)
+    records: list[RequestRecord | None] = [None] * n
+    limit = asyncio.Semaphore(concurrency_limit) if concurrency_limit else None
+    bar = tqdm(total=n, desc=description, unit="req", disable=not progress, dynamic_ncols=True)
+    errors = 0
+    max_lag = 0.0
+
+    async def run(i: int, prompt: list[int]) -> None:
+        nonlocal errors
+        try:
+            rec = await send_one(requests[i], prompt)
+        finally:
+            if limit is not None:
+                limit.release()
+        records[i] = rec
+        if rec.error:
+            errors += 1
+        bar.update(1)
+        bar.set_postfix(errors=errors, refresh=False)
+
+    tasks: list[asyncio.Task[None]] = []
+    start = time.monotonic()
+    try:
+        for i, req in enumerate(requests):
+            # the prompt is made before waiting, so its cost does not delay the send, and
+            # only for requests about to be sent (a whole trace's would not fit)
+            prompt = req.prompt_token_ids
+            delay = start + req.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is not None:
+                await limit.acquire()
+            max_lag = max(max_lag, time.monotonic() - (start + req.arrival_s))
+            tasks.append(asyncio.create_task(run(i, prompt)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        bar.close()
+    done = [r for r in records if r is not None]
+    if len(done) != n:
+        raise RuntimeError(f"{n - len(done)} request(s) left no record")
+    return done, start, max_lag
+
+
 async def replay_detailed(
     endpoint: str,
     requests: Sequence[WorkloadRequest],
@@ -175,21 +242,10 @@ async def replay_detailed(
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout={timeout} must be > 0 or None")
     n = len(requests)
-    records: list[RequestRecord | None] = [None] * n
     async with AsyncClient(endpoint, heartbeat_timeout=heartbeat_timeout) as client:
         if warmup and n:
-            first = requests[0]
-            ids = (
-                first.prompts.tokens(
-                    min(first.input_tokens, WARMUP_PROMPT_TOKENS),
-                    first.source_index,
-                    first.hash_ids,
-                )
-                if first.prompts is not None
-                else [100] * WARMUP_PROMPT_TOKENS
-            )
             await client.generate(
-                ids,
+                warmup_prompt(requests[0]),
                 SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True),
                 timeout=timeout,
             )
@@ -197,51 +253,21 @@ async def replay_detailed(
         # records of steps already completed are not ours; a step in flight now is
         # (its requests are the previous user's, but it overlaps our run)
         step_from = int(stats0.get("num_iterations", 0)) + 1
-        limit = asyncio.Semaphore(concurrency_limit) if concurrency_limit else None
-        bar = tqdm(total=n, desc=description, unit="req", disable=not progress, dynamic_ncols=True)
-        errors = 0
-        max_lag = 0.0
 
-        async def run(i: int, prompt: list[int]) -> None:
-            nonlocal errors
-            req = requests[i]
-            try:
-                rec = await _one_request(
-                    client, req, prompt, _sampling_params(req, temperature, seed), timeout
-                )
-            finally:
-                if limit is not None:
-                    limit.release()
-            records[i] = rec
-            if rec.error:
-                errors += 1
-            bar.update(1)
-            bar.set_postfix(errors=errors, refresh=False)
+        async def send_one(req: WorkloadRequest, prompt: list[int]) -> RequestRecord:
+            params = _sampling_params(req, temperature, seed)
+            return await _one_request(client, req, prompt, params, timeout)
 
-        tasks: list[asyncio.Task[None]] = []
-        start = time.monotonic()
-        try:
-            for i, req in enumerate(requests):
-                # the prompt is made before waiting, so its cost does not delay the send,
-                # and only for requests about to be sent (a whole trace's would not fit)
-                prompt = req.prompt_token_ids
-                delay = start + req.arrival_s - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if limit is not None:
-                    await limit.acquire()
-                max_lag = max(max_lag, time.monotonic() - (start + req.arrival_s))
-                tasks.append(asyncio.create_task(run(i, prompt)))
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-            bar.close()
+        records, start, max_lag = await drive(
+            requests,
+            send_one,
+            progress=progress,
+            concurrency_limit=concurrency_limit,
+            description=description,
+        )
         stats1 = await client.stats(iterations_from=step_from)
         wall = time.monotonic() - start
     iterations = _iteration_samples(stats1.get("iterations", []), step_from)
-    done = [r for r in records if r is not None]
-    assert len(done) == n  # every task stored its record before gather returned
     settings = {
         "endpoint": endpoint,
         "server_stats_at_start": {k: v for k, v in stats0.items() if k != "iterations"},
@@ -251,7 +277,7 @@ async def replay_detailed(
         "warmup": warmup,
     }
     return ReplayOutcome(
-        records=done,
+        records=records,
         iterations=iterations,
         start_s=start,
         wall_s=wall,

@@ -9,6 +9,7 @@ the numbers read as "seconds into the run" whatever the monotonic clock's origin
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from sarazmq.replay.plots import (
 SUMMARY_JSON = "summary.json"
 REQUESTS_CSV = "requests.csv"
 ITERATIONS_CSV = "iterations.csv"
+RECORDS_JSONL = "records.jsonl"
 TBT_CDF_PNG = "tbt_cdf.png"
 TTFT_CDF_PNG = "ttft_cdf.png"
 TOKENS_OVER_TIME_PNG = "tokens_over_time.png"
@@ -220,7 +222,8 @@ def write_run(
     settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Path]:
     """Write summary.json (the summary plus `workload` and engine `settings`),
-    requests.csv, iterations.csv and the four PNG plots into `output_dir` (created if
+    requests.csv, iterations.csv, records.jsonl (every request's record, token times
+    included, for `read_records`) and the four PNG plots into `output_dir` (created if
     missing). Returns the written paths by short name."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -229,6 +232,7 @@ def write_run(
         "summary": out / SUMMARY_JSON,
         "requests": out / REQUESTS_CSV,
         "iterations": out / ITERATIONS_CSV,
+        "records": out / RECORDS_JSONL,
         "tbt_cdf": out / TBT_CDF_PNG,
         "ttft_cdf": out / TTFT_CDF_PNG,
         "tokens_over_time": out / TOKENS_OVER_TIME_PNG,
@@ -240,6 +244,9 @@ def write_run(
     )
     write_requests_csv(paths["requests"], records, t0)
     write_iterations_csv(paths["iterations"], iterations, t0)
+    with paths["records"].open("w") as f:
+        for r in records:
+            f.write(json.dumps(dataclasses.asdict(r), allow_nan=False) + "\n")
     per_req = [request_metrics(r) for r in records if r.ok]
     tbts_ms = [g * 1e3 for m in per_req for g in m.tbts_s]
     ttfts_ms = [m.ttft_s * 1e3 for m in per_req if m.ttft_s is not None]
@@ -372,3 +379,18 @@ def write_comparison(
     plot_cdfs(paths["tbt_cdf"], tbts, "time between tokens (ms)", "CDF of TBT")
     plot_cdfs(paths["ttft_cdf"], ttfts, "time to first token (ms)", "CDF of TTFT")
     return paths
+
+
+def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """A run written by `write_run`: its summary and its request records."""
+    d = Path(run_dir)
+    for name in (SUMMARY_JSON, RECORDS_JSONL):
+        if not (d / name).is_file():
+            raise FileNotFoundError(f"{d / name} not found: is {d} a replay output directory?")
+    summary = json.loads((d / SUMMARY_JSON).read_text())
+    records = [
+        RequestRecord(**json.loads(line))
+        for line in (d / RECORDS_JSONL).read_text().splitlines()
+        if line.strip()
+    ]
+    return summary, records
