@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
-from http_fixtures import API_KEY, MAX_MODEL_LEN, MODEL, HTTPServer, start_http_server
+from http_fixtures import API_KEY, MAX_MODEL_LEN, HTTPServer, start_http_server
 
 from sarazmq.client import Client
 
