@@ -233,3 +233,43 @@ def test_replay_through_the_openai_api_and_replay_diff(server: HTTPServer, tmp_p
     assert "http/zmq" in r.output
     assert (http_dir / "diff" / "comparison.json").is_file()
     assert (http_dir / "diff" / "compare_tbt_cdf.png").stat().st_size > 0
+
+
+def test_standalone_api_command_serves_a_running_deployment(server: HTTPServer) -> None:
+    """`sarazmq api --connect EP` is a second HTTP face for the same deployment."""
+    import subprocess
+    import sys
+    import time
+
+    from sarazmq.procs.endpoints import free_tcp_port
+
+    port = free_tcp_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sarazmq.cli",
+            "api",
+            "--connect",
+            server.deployment.endpoint,
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert f"http://127.0.0.1:{port}/v1" in line, line
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        r = c.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens >= 1
+        assert [m.id for m in c.models.list().data] == [MODEL]
+    finally:
+        proc.terminate()
+        t0 = time.monotonic()
+        proc.wait(30)
+        assert time.monotonic() - t0 < 30
