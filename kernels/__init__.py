@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_attention import CpuPagedAttention, cpu_attention_available
+from .backend import AttentionBackend
+from .cpu_attention import CpuPagedAttention
+from .cpu_attention_kernels import cpu_attention_available
 from .flash_attn_backend import (
     FLASH_ATTN_BLOCK_MULTIPLE,
     FlashAttnPagedAttention,
     flash_attn_available,
 )
 from .torch_attention import TorchPagedAttention
-
-AttentionBackend = TorchPagedAttention | CpuPagedAttention | FlashAttnPagedAttention
 
 __all__ = [
     "AttentionBackend",

@@ -107,6 +107,7 @@ class BlockQuantWeight:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: the quantized values and their float32 scales."""
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 4
 
 
@@ -150,12 +151,18 @@ class _Kernels:
     def __init__(self) -> None:
         lib = load_library()
         self.fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        self.covers: dict[torch.dtype, ctypes._CFuncPtr] = {}
         self.available: dict[torch.dtype, bool] = {}
         if lib is None:
             return
-        covers = {torch.float32: lib.gemv_q_f32_covers, torch.bfloat16: lib.gemv_q_bf16_covers}
+        self.covers = {
+            torch.float32: lib.gemv_q_f32_covers,
+            torch.bfloat16: lib.gemv_q_bf16_covers,
+        }
         for dtype, suffix in _SUFFIX.items():
-            self.available[dtype] = bool(covers[dtype](1, 1, BLOCK))
+            self.covers[dtype].argtypes = [_I, _I, _I]
+            self.covers[dtype].restype = _I
+            self.available[dtype] = bool(self.covers[dtype](1, 1, BLOCK))
             for kind in ("q4", "q8"):
                 fn = getattr(lib, f"gemv_{kind}_{suffix}")
                 fn.argtypes = _ARGTYPES
@@ -176,6 +183,20 @@ def block_quant_kernels_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the block matrix-vector kernels for `dtype` activations built for this CPU
     (float32: AVX-512; bf16: also AVX512-BF16)."""
     return _get().available.get(dtype, False)
+
+
+def block_quant_covers(dtype: torch.dtype, rows: int, weight: BlockQuantWeight) -> bool:
+    """Whether `block_quant_linear` computes (never returns None for) `rows` contiguous
+    CPU rows of `dtype` activations against `weight`."""
+    kernels = _get()
+    covers = kernels.covers.get(dtype)
+    n, k = weight.shape
+    return (
+        covers is not None
+        and kernels.available.get(dtype, False)
+        and (weight.kind, dtype) in kernels.fns
+        and bool(covers(rows, n, k))
+    )
 
 
 def block_quant_linear(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tensor | None:

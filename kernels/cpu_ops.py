@@ -1,20 +1,20 @@
 """Fused RMSNorm(+residual), RoPE, SiLU-and-multiply and 1-3-row matmuls in C
 (kernels/csrc/cpu_ops.c).
 
-`HotOps` is the interface the model calls for its elementwise work; `TORCH_OPS` is the
-plain-PyTorch implementation (sarazmq.kernels.ops, the reference), `NativeCpuOps` the C
-one, each op falling back to the reference where the kernel does not apply (device,
-dtype, strides). Same numerics as the reference up to float32 summation order in the
-RMSNorm reduction and SiLU's exp (within ~2 ulp of torch's: float32 results can differ in
-the last bit, bf16 ones practically never).
+`HotOps` is the interface the model calls for its elementwise work and its matmuls;
+`TORCH_OPS` is the plain-PyTorch implementation (sarazmq.kernels.ops, the reference),
+`NativeCpuOps` the C one, each op falling back to the reference where the kernel does not
+apply (device, dtype, strides). Same numerics as the reference up to float32 summation
+order in the RMSNorm reduction and SiLU's exp (within ~2 ulp of torch's: float32 results
+can differ in the last bit, bf16 ones practically never).
 
-Matmuls (`HotOps.linear`) of decode steps with at most `GEMV_MAX_ROWS` rows go to a C
-matrix-vector kernel that streams the weights near the machine's read bandwidth: on the
-default model's 121 weight matrices at one row, bf16 9.3 ms a step against oneDNN's 12.9,
-float32 13.5 against oneDNN's 20.9 (and MKL's 44); past those rows oneDNN keeps them.
-Float32 sums run in another order than the library's: results may differ in the last bit.
-Where the model keeps a GGUF's quantized blocks of a weight (`linear(..., blocks=)`), those
-rows read the blocks instead (sarazmq.kernels.block_quant): bitwise the same result.
+Matmuls (`HotOps.linear`, on a `LinearWeight`) of decode steps with at most
+`GEMV_MAX_ROWS` rows go to a C matrix-vector kernel that streams the weights near the
+machine's read bandwidth, faster there than oneDNN's packed matmul, which keeps the
+larger ones (docs/KERNELS.md, "GEMV_MAX_ROWS"). Float32 sums run in another order than
+the library's: results may differ in the last bit. Where the weight also holds a GGUF's
+quantized blocks, those rows read the blocks instead (sarazmq.kernels.block_quant):
+bitwise the same result.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .block_quant import BlockQuantWeight, block_quant_linear
+from .block_quant import block_quant_covers, block_quant_linear
+from .linear_weight import LinearWeight
 from .native import load_library
 from .ops import apply_rope_, linear, rms_norm_
 
@@ -36,16 +37,16 @@ _SIGNATURES = {
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ROPE_MAX_D = 512
-# rows up to which the C kernel beats oneDNN's prepacked matmul (it takes up to 8), measured
-# over the default model's 121 matmuls: bf16 9.3 against 12.9 ms at one row, 9.5 against
-# 13.9 at two, even at three to five, slower from six; float32 13.5 against 20.9 at one
-# and two rows, 16.3 against 17.6 at three, slower from four
+# rows up to which the C matrix-vector kernel beats oneDNN's prepacked matmul on the
+# default model's matmuls (the kernel takes up to 8): docs/KERNELS.md, "GEMV_MAX_ROWS"
 GEMV_MAX_ROWS = {torch.bfloat16: 3, torch.float32: 3}
+_GEMV_KERNEL_ROWS = 8  # GEMV_MAX_ROWS of kernels.h: the most rows one call takes
 _GEMV_ARGTYPES = [_P, _L, _P, _P, _L, _I, _I, _I]
 
 
 class HotOps:
-    """The model's elementwise ops, plain PyTorch (the reference for `NativeCpuOps`)."""
+    """The model's elementwise ops and matmuls, plain PyTorch (the reference for
+    `NativeCpuOps`)."""
 
     name = "torch"
 
@@ -59,19 +60,17 @@ class HotOps:
         """See `sarazmq.kernels.ops.rms_norm_`: (normed, residual after adding x)."""
         return rms_norm_(x, weight, eps, residual)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-        blocks: BlockQuantWeight | None = None,
-    ) -> torch.Tensor:
-        """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]; see
-        `sarazmq.kernels.ops.linear` (packed: its prepacked oneDNN weight, or None; blocks:
-        the same weight as the checkpoint's quantized blocks, or None, which the C ops read
-        where that gives the same result faster)."""
-        return linear(x, weight, bias, packed)
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out], see
+        `sarazmq.kernels.ops.linear`: through the owner's prepacked oneDNN weight where it
+        holds one, else its plain weight."""
+        return linear(x, weight.weight, weight.bias, weight.packed)
+
+    def needs_plain(self, weight: LinearWeight) -> bool:
+        """Whether some `linear` call of these ops would read the owner's plain weight
+        (so that `LinearWeight.drop_plain` would change a result or fail): here, wherever
+        it has no packed copy."""
+        return weight.packed is None
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         """gate_up [T, 2 * inter] (gate, then up) -> silu(gate) * up [T, inter]."""
@@ -109,6 +108,37 @@ def _native_functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | Non
 def _rows_ok(t: torch.Tensor) -> bool:
     # 2-d, CPU, unit stride along the row (any row stride)
     return t.dim() == 2 and t.device.type == "cpu" and t.stride(1) == 1
+
+
+def _run_gemv(fn: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] (rows checked by the caller) @ weight [N, K]^T (contiguous) -> [M, N]
+    through gemv_f32 / gemv_bf16; None where the kernel does not cover the sizes."""
+    rows, (n, k) = x.shape[0], weight.shape
+    out = torch.empty((rows, n), dtype=x.dtype)
+    if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, rows, n, k) != 0:
+        return None
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The C matrix-vector kernel alone (gemv_f32 / gemv_bf16, the one `NativeCpuOps.linear`
+    runs up to GEMV_MAX_ROWS rows and the fused decode step up to 8): x [M, K] (1 to 8
+    rows, unit column stride) @ weight [N, K]^T (contiguous, x's dtype) -> [M, N]; None
+    where it does not apply (no kernels, another dtype, sizes it does not cover)."""
+    fns = _native_functions()
+    fn = None if fns is None else fns.get(("gemv", x.dtype))
+    if (
+        fn is None
+        or not _rows_ok(x)
+        or not 1 <= x.shape[0] <= _GEMV_KERNEL_ROWS
+        or weight.dtype != x.dtype
+        or weight.dim() != 2
+        or not weight.is_contiguous()
+        or weight.device.type != "cpu"
+        or weight.shape[1] != x.shape[1]
+    ):
+        return None
+    return _run_gemv(fn, x, weight)
 
 
 class NativeCpuOps(HotOps):
@@ -155,38 +185,48 @@ class NativeCpuOps(HotOps):
         )
         return out, (x if residual is None else residual)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-        blocks: BlockQuantWeight | None = None,
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """x [T, in] -> [T, out] as `HotOps.linear`; 1 to `GEMV_MAX_ROWS` rows of a
+        bias-free weight read its blocks where it holds them, else its plain weight
+        through the C matrix-vector kernel."""
         fn = self._fns.get(("gemv", x.dtype))
         if (
             fn is None
-            or bias is not None
+            or weight.bias is not None
             or not _rows_ok(x)
             or not 1 <= x.shape[0] <= GEMV_MAX_ROWS[x.dtype]
             or weight.dtype != x.dtype
-            or weight.dim() != 2
-            or not weight.is_contiguous()
             or weight.device.type != "cpu"
-            or weight.shape[1] != x.shape[1]
+            or weight.in_features != x.shape[1]
         ):
-            return super().linear(x, weight, bias, packed)
-        if blocks is not None:
-            # the quantized blocks hold exactly `weight`, and their kernel sums as gemv_f32
-            # does: the same result from a quarter of the bytes (float32 only)
-            out = block_quant_linear(x, blocks)
+            return super().linear(x, weight)
+        if weight.blocks is not None:
+            # the quantized blocks hold exactly the plain weight, and their kernel sums as
+            # the plain one does: the same result from a fraction of the bytes
+            out = block_quant_linear(x, weight.blocks)
             if out is not None:
                 return out
-        rows, (n, k) = x.shape[0], weight.shape
-        out = torch.empty((rows, n), dtype=x.dtype)
-        if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, rows, n, k) != 0:
-            return super().linear(x, weight, bias, packed)  # sizes the kernel does not cover
+        plain = weight.weight
+        if plain is None or not plain.is_contiguous():
+            return super().linear(x, weight)  # only the packed copy is left, or strided
+        out = _run_gemv(fn, x, plain)
+        if out is None:
+            return super().linear(x, weight)  # sizes the kernel does not cover
         return out
+
+    def needs_plain(self, weight: LinearWeight) -> bool:
+        """Also where rows within `GEMV_MAX_ROWS` would read it: a weight without a bias
+        whose blocks do not cover every such row count (the C kernel reads the plain
+        weight there, and the packed copy would sum in another order)."""
+        if super().needs_plain(weight):
+            return True
+        if weight.bias is not None or ("gemv", weight.dtype) not in self._fns:
+            return False  # every call goes to the packed copy
+        blocks = weight.blocks
+        return blocks is None or not all(
+            block_quant_covers(weight.dtype, rows, blocks)
+            for rows in range(1, GEMV_MAX_ROWS[weight.dtype] + 1)
+        )
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         fn = self._fns.get(("silu_mul", gate_up.dtype))

@@ -1,25 +1,29 @@
 """A Llama decode step of a few sequences in one C call (kernels/csrc/decode_step.c).
 
-With a handful of running sequences a decode step is bound by streaming the weights once
-(~8 ms for the default model in bf16), and the Python around its ~300 kernel calls
-(argument checks, views, ctypes) added a third again. `FusedDecodeStep` runs the kernels
-of the per-op path (`LlamaForCausalLM.forward` with `NativeCpuOps` and
-`CpuPagedAttention`) in the same order inside one C function; it is the CPU's
-counterpart of a captured CUDA graph, not a second model. Up to `GEMV_MAX_ROWS` rows the
-per-op path runs these very kernels and the output is bitwise the same; from 4 to 8 rows
-the per-op path's matmuls are oneDNN's and the fused step keeps the matrix-vector kernel
-(float32 sums in another order), still faster with the Python gone, up to 8 sequences in
-bf16 and 6 in float32 (`FUSED_MAX_ROWS`).
+With a handful of running sequences a decode step is bound by streaming the weights once,
+and the Python around its ~300 kernel calls (argument checks, views, ctypes) adds a good
+part again. `FusedDecodeStep` runs the kernels of the per-op path
+(`LlamaForCausalLM.forward` with `NativeCpuOps` and `CpuPagedAttention`) in the same order
+inside one C function; it is the CPU's counterpart of a captured CUDA graph, not a second
+model. Up to `GEMV_MAX_ROWS` rows the per-op path runs these very kernels and the output
+is bitwise the same; from 4 to 8 rows the per-op path's matmuls are oneDNN's and the fused
+step keeps the matrix-vector kernel (float32 sums in another order), still faster with
+the Python gone, up to `FUSED_MAX_ROWS` sequences.
 
 A model loaded from a GGUF file passes its matmuls as the file's quantized blocks
 (`BlockQuantWeight`, kernels/csrc/block_quant.c): the kernel rebuilds the very weights the
 model holds (float32, or those rounded to bf16) in registers and sums them in the
-matrix-vector kernel's order, so the results stay bitwise while a step streams a fifth
-(float32) or a third (bf16) of the bytes; where every matmul reads blocks the step takes
-up to `FUSED_MAX_ROWS_BLOCKS` sequences.
+matrix-vector kernel's order, so the results stay bitwise while a step streams a fraction
+of the bytes; where every matmul reads blocks the step takes up to
+`FUSED_MAX_ROWS_BLOCKS` sequences. Measurements behind both limits: docs/KERNELS.md.
+
+The per-layer pointer table's layout is declared once, in kernels/csrc/kernels.h
+(`DECODE_STEP_LAYER_SLOTS`): the step reads the slot names and each slot's shape from the
+library, checks them against `DecodeLayerWeights` and every tensor against its slot's
+shape, and fills the table by name.
 
 Built by the model (`LlamaForCausalLM`) from its weights and KV caches when the attention
-backend offers it (`CpuPagedAttention.fused_decode_step`); `run` returns None wherever it
+backend offers it (`AttentionBackend.fused_decode_step`); `run` returns None wherever it
 does not apply (a prefill in the batch, more rows than the matrix-vector kernel takes,
 another dtype), and the model then takes the per-op path.
 """
@@ -64,29 +68,25 @@ _STEP_ARGTYPES = [
 ]
 _SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"}
 # Sequences up to which the fused step beats the per-op path (whose matmuls go to oneDNN
-# past GEMV_MAX_ROWS), on the default model with 512-token contexts, same-process A/B:
-# bf16 1.27x at 1, 1.33x at 4, 1.15x at 8, even at 12, 0.92x at 16; float32 1.13-1.20x at
-# 1, 1.21-1.25x at 4, 1.11x at 6, 0.95-1.07x at 8, 0.85x at 12. The C matrix-vector kernel
-# takes at most 8 rows (GEMV_MAX_ROWS in kernels.h).
+# past GEMV_MAX_ROWS) on the default model: docs/KERNELS.md, "FUSED_MAX_ROWS". The C
+# matrix-vector kernel takes at most 8 rows (GEMV_MAX_ROWS in kernels.h).
 FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
-# With every matmul as the GGUF's quantized blocks (0.75 bytes a Q4 weight; past 8 rows the
-# kernel takes them 8 at a time per weight tile), same-process A/B against the per-op
-# path: float32 1.58x at 1, 1.43x at 2, 2.07x at 4, 1.64x at 6, 1.56x at 8, 1.32x at 12,
-# 1.16x at 16, 1.11x at 24, 1.07x at 32, 0.99x at 64; bf16 1.60x at 1, 1.52x at 2, 1.95x
-# at 4, 1.51x at 8, 1.16x at 16, 1.01x at 32, 0.94x at 64
+# The same with every matmul as the GGUF's quantized blocks (past 8 rows the kernel takes
+# them 8 at a time per weight tile): docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS"
 FUSED_MAX_ROWS_BLOCKS = {torch.bfloat16: 16, torch.float32: 32}
 
 
 Matmul = torch.Tensor | BlockQuantWeight
-# the four matmuls of a layer, in the C step's format table order
-_MATMULS = ("qkv", "o", "gate_up", "down")
-_FORMAT = {"q4": 1, "q8": 2}  # decode_step.c's W_Q4, W_Q8 (W_PLAIN = 0)
+_KV_SLOTS = ("k_cache", "v_cache")  # a layer's KV caches, as kernels.h names their slots
+_SCALES = "_scales"  # slot "<matmul>_scales": that matmul's block scales
+_FORMAT = {"q4": 1, "q8": 2}  # kernels.h's DECODE_STEP_W_Q4, _Q8 (DECODE_STEP_W_PLAIN = 0)
 
 
 class DecodeLayerWeights(NamedTuple):
-    """One decoder layer's tensors, as the fused step reads them (all contiguous). A step
-    also takes a matmul as the checkpoint's blocks (`BlockQuantWeight`, read by
-    kernels/csrc/block_quant.c: bitwise the same result, a fraction of the bytes)."""
+    """One decoder layer's tensors, as the fused step reads them (all contiguous), named
+    as kernels.h's DECODE_STEP_LAYER_SLOTS names their slots. A step also takes a matmul
+    as the checkpoint's blocks (`BlockQuantWeight`, read by kernels/csrc/block_quant.c:
+    bitwise the same result, a fraction of the bytes)."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: Matmul  # [(H + 2 Hkv) D, hidden]
@@ -94,6 +94,71 @@ class DecodeLayerWeights(NamedTuple):
     post_norm: torch.Tensor  # [hidden]
     gate_up: Matmul  # [2 inter, hidden]
     down: Matmul  # [hidden, inter]
+
+
+MATMULS = ("qkv", "o", "gate_up", "down")  # the DecodeLayerWeights fields that are matmuls
+
+
+class DecodeStepLayout(NamedTuple):
+    """decode_step.c's per-layer table: slot names in table order, and the matmuls in the
+    order of a layer's row of the formats table."""
+
+    slots: tuple[str, ...]
+    matmuls: tuple[str, ...]
+
+
+def decode_step_layout() -> DecodeStepLayout:
+    """The table layout the kernel library was built with (kernels.h's
+    DECODE_STEP_LAYER_SLOTS and DECODE_STEP_MATMULS), checked by name against
+    `DecodeLayerWeights` and `MATMULS`: ValueError on any difference (the step would read
+    the wrong tensors) or when the library did not build."""
+    lib = load_library()
+    if lib is None:
+        raise ValueError("fused decode step unavailable: the native CPU kernels did not build")
+    for fn in (lib.decode_step_layer_slots, lib.decode_step_matmuls):
+        fn.argtypes = []
+        fn.restype = ctypes.c_char_p
+    layout = DecodeStepLayout(
+        tuple(lib.decode_step_layer_slots().decode().split()),
+        tuple(lib.decode_step_matmuls().decode().split()),
+    )
+    want = {*DecodeLayerWeights._fields, *_KV_SLOTS, *(m + _SCALES for m in MATMULS)}
+    if (
+        len(set(layout.slots)) != len(layout.slots)
+        or set(layout.slots) != want
+        or sorted(layout.matmuls) != sorted(MATMULS)
+    ):
+        raise ValueError(
+            f"decode_step.c's layer slots {layout.slots} and matmuls {layout.matmuls} are not "
+            f"DecodeLayerWeights' ({sorted(want)}; matmuls {MATMULS})"
+        )
+    return layout
+
+
+def _slot_shapes(
+    lib: ctypes.CDLL,
+    layout: DecodeStepLayout,
+    hidden: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    inter: int,
+    num_blocks: int,
+    block_size: int,
+) -> dict[str, tuple[int, ...] | None]:
+    """The shape the step reads each slot with (None: no shape of its own, block scales),
+    as the library declares it (decode_step_slot_shape)."""
+    fn = lib.decode_step_slot_shape
+    fn.argtypes = [_I, _I, _I, _I, _I, _I, _L, _I, _P]
+    fn.restype = _I
+    dims = (ctypes.c_long * 4)()
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for i, name in enumerate(layout.slots):
+        rank = fn(i, hidden, num_heads, num_kv_heads, head_dim, inter, num_blocks, block_size, dims)
+        if not 0 <= rank <= 4:
+            raise ValueError(f"decode_step.c declares no shape for slot {i} ({name})")
+        shapes[name] = tuple(dims[:rank]) if rank else None
+    return shapes
 
 
 class FusedDecodeStep:
@@ -143,25 +208,31 @@ class FusedDecodeStep:
         self.eps, self.scale = eps, scale
         k0 = kv_caches[0][0]
         self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
-        # the C step reads these shapes blindly: check every tensor against them once here
-        q_n, kv_n = num_heads * head_dim, num_kv_heads * head_dim
-        expected = (  # in DecodeLayerWeights order
-            (hidden,),
-            (q_n + 2 * kv_n, hidden),
-            (hidden, q_n),
-            (hidden,),
-            (2 * inter, hidden),
-            (hidden, inter),
+        # the C step reads every shape blindly: check each tensor against the shape the
+        # library declares for its slot, once, here
+        layout = decode_step_layout()
+        shapes = _slot_shapes(
+            lib,
+            layout,
+            hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            inter,
+            self.num_blocks,
+            self.block_size,
         )
-        cache_shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
         for i, (weights, caches) in enumerate(zip(layers, kv_caches, strict=True)):
-            for name, t, shape in zip(DecodeLayerWeights._fields, weights, expected, strict=True):
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"layer {i} {name}: shape {tuple(t.shape)}, expected {shape}")
-            for t in caches:
-                if tuple(t.shape) != cache_shape:
+            for name, t in zip(DecodeLayerWeights._fields, weights, strict=True):
+                if tuple(t.shape) != shapes[name]:
                     raise ValueError(
-                        f"layer {i} KV cache: shape {tuple(t.shape)}, expected {cache_shape}"
+                        f"layer {i} {name}: shape {tuple(t.shape)}, expected {shapes[name]}"
+                    )
+            for name, t in zip(_KV_SLOTS, caches, strict=True):
+                if tuple(t.shape) != shapes[name]:
+                    raise ValueError(
+                        f"layer {i} KV cache ({name}): shape {tuple(t.shape)}, expected "
+                        f"{shapes[name]}"
                     )
         self._fn = getattr(lib, _SYMBOLS[dtype])
         self._fn.argtypes = _STEP_ARGTYPES
@@ -169,26 +240,28 @@ class FusedDecodeStep:
         self._work_elems = lib.decode_step_work_elems
         self._work_elems.argtypes = [_I] * 6
         self._work_elems.restype = _L
-        per_layer = lib.decode_step_layer_ptrs()
-        if per_layer != len(DecodeLayerWeights._fields) + 2 + len(_MATMULS):
-            raise ValueError(f"decode_step.c expects {per_layer} pointers per layer")
+        # the per-layer pointer table, filled by slot name in the library's order
+        slot = {name: j for j, name in enumerate(layout.slots)}
         ptrs: list[int] = []
         formats: list[int] = []
-        for weights, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            ptrs.extend(
-                t.qs.data_ptr() if isinstance(t, BlockQuantWeight) else t.data_ptr()
-                for t in weights
-            )
-            ptrs.extend((k_cache.data_ptr(), v_cache.data_ptr()))
-            for name in _MATMULS:
+        for weights, caches in zip(layers, kv_caches, strict=True):
+            row = [0] * len(layout.slots)
+            for name, t in zip(DecodeLayerWeights._fields, weights, strict=True):
+                if isinstance(t, BlockQuantWeight):
+                    row[slot[name]] = t.qs.data_ptr()
+                    row[slot[name + _SCALES]] = t.scales.data_ptr()
+                else:
+                    row[slot[name]] = t.data_ptr()
+            for name, t in zip(_KV_SLOTS, caches, strict=True):
+                row[slot[name]] = t.data_ptr()
+            ptrs.extend(row)
+            for name in layout.matmuls:
                 w = getattr(weights, name)
-                block = isinstance(w, BlockQuantWeight)
-                ptrs.append(w.scales.data_ptr() if block else 0)
-                formats.append(_FORMAT[w.kind] if block else 0)
+                formats.append(_FORMAT[w.kind] if isinstance(w, BlockQuantWeight) else 0)
         self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._formats = (ctypes.c_int32 * len(formats))(*formats)
         self.block_quant = bool(blocks)  # some matmul reads blocks
-        self._all_blocks = len(blocks) == len(_MATMULS) * len(layers)
+        self._all_blocks = len(blocks) == len(MATMULS) * len(layers)
         self._num_layers = len(layers)
         self._keep = (tensors, blocks)  # the table points into these
         self._final_norm = final_norm.data_ptr()

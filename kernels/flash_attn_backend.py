@@ -13,14 +13,18 @@ With smaller blocks use the torch backend (`select_attention_backend("auto", ...
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from .cpu_ops import TORCH_OPS, HotOps
 from .metadata import AttentionMetadata
 from .torch_attention import write_kv_cache
+
+if TYPE_CHECKING:
+    from .decode_step import DecodeLayerWeights, FusedDecodeStep
 
 # flash-attn 2 paged KV requires page_block_size % 256 == 0
 FLASH_ATTN_BLOCK_MULTIPLE = 256
@@ -50,6 +54,8 @@ class FlashAttnPagedAttention:
     """Paged attention through `flash_attn.flash_attn_varlen_func` with a block table."""
 
     name = "flash_attn"
+    # the model's other ops: plain PyTorch (on CUDA: torch's kernels)
+    ops: HotOps = TORCH_OPS
 
     def __init__(self, block_size: int) -> None:
         if block_size % FLASH_ATTN_BLOCK_MULTIPLE != 0:
@@ -99,3 +105,18 @@ class FlashAttnPagedAttention:
             causal=True,
             block_table=meta.block_tables,
         )
+
+    def fused_decode_step(
+        self,
+        layers: Sequence[DecodeLayerWeights],
+        final_norm: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> FusedDecodeStep | None:
+        """None: decode steps run op by op here (see `AttentionBackend.fused_decode_step`)."""
+        return None

@@ -2,8 +2,8 @@
 
 The paged KV cache is gigabytes, and decode touches it at scattered slots (one write per
 new token per layer, one block read per 16 tokens): with 4 KiB pages nearly every access
-is a TLB miss, and on a VM each miss walks two page tables. Measured on the project's VM:
-64 scattered KV writes take 156 us on a 4 KiB-page cache and 31 us on a fresh one.
+is a TLB miss, and on a VM each miss walks two page tables, which costs scattered KV
+writes several times their time on huge pages (docs/KERNELS.md, "Huge-page KV cache").
 Asking the kernel for 2 MiB pages (madvise(MADV_HUGEPAGE), which Linux honours when
 /sys/kernel/mm/transparent_hugepage/enabled is "madvise" or "always") removes most of
 those misses. Elsewhere, or if madvise fails, this is a plain zeroed tensor.

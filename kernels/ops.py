@@ -184,11 +184,10 @@ def can_prepack_linear(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether `prepack_linear` applies: bf16 or float32 on a CPU with oneDNN (mkldnn).
 
     For bf16 on CPU, `F.linear` goes through oneDNN and reorders the weight into its
-    blocked layout on every call; prepacking once saves that (1.2-2x per matmul, more for
-    small batches) with bit-identical results. float32 `F.linear` goes to MKL, which on
-    the project's AMD CPUs runs at 6-170 GFLOP/s where oneDNN's packed matmul reaches
-    11-214 (measured over the default model's matmuls, 1 to 256 rows: 1.25-1.9x faster);
-    the float32 sums then run in another order (differences ~1e-6 relative).
+    blocked layout on every call; prepacking once saves that, with bit-identical results.
+    float32 `F.linear` goes to MKL, which on AMD CPUs is slower than oneDNN's packed matmul
+    for the model's shapes; the float32 sums then run in another order (differences
+    ~1e-6 relative). Measurements: docs/KERNELS.md, "Prepacked matmul weights".
     """
     return (
         torch.device(device).type == "cpu"
@@ -200,22 +199,25 @@ def can_prepack_linear(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def prepack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> an opaque oneDNN tensor for `linear(..., packed=)`."""
+    """weight [out, in] -> an opaque oneDNN tensor for `linear(..., packed=)` (a copy: it
+    does not keep `weight` alive or read it later)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` ([..., in] -> [..., out]), through the prepacked
-    weight when one is given (same values, see `can_prepack_linear`)."""
+    weight when one is given (same values, see `can_prepack_linear`); weight may then be
+    None (not read). Raises ValueError when neither is given."""
     if packed is None:
+        if weight is None:
+            raise ValueError("linear: neither a weight nor a packed weight")
         return torch.nn.functional.linear(x, weight, bias)
     if x.dim() != 2:
-        return linear(x.reshape(-1, x.shape[-1]), weight, bias, packed).view(
-            *x.shape[:-1], weight.shape[0]
-        )
+        out = linear(x.reshape(-1, x.shape[-1]), weight, bias, packed)  # [N, out]
+        return out.view(*x.shape[:-1], out.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

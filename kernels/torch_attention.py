@@ -8,10 +8,17 @@ already-cached context (chunked prefill).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+from .cpu_ops import TORCH_OPS, HotOps
 from .metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from .decode_step import DecodeLayerWeights, FusedDecodeStep
 
 
 def write_kv_cache(
@@ -76,6 +83,8 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    # the model's other ops: plain PyTorch (CpuPagedAttention has C ones)
+    ops: HotOps = TORCH_OPS
 
     def __init__(self, decode_group_bytes: int = _DECODE_GROUP_BYTES) -> None:
         if decode_group_bytes < 1:
@@ -162,6 +171,21 @@ class TorchPagedAttention:
             out[start:end] = oi[0].transpose(0, 1)
             start = end
         return out
+
+    def fused_decode_step(
+        self,
+        layers: Sequence[DecodeLayerWeights],
+        final_norm: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> FusedDecodeStep | None:
+        """None: decode steps run op by op here (see `AttentionBackend.fused_decode_step`)."""
+        return None
 
     def _prefill_into(
         self,

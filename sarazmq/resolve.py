@@ -8,7 +8,7 @@ import os
 import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
-from sarazmq.model.llama import kv_cache_bytes_per_block
+from sarazmq.model.kv_cache import kv_cache_bytes_per_block
 from sarazmq.model.loader import load_model_config, resolve_model
 
 

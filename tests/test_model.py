@@ -16,19 +16,15 @@ import torch
 from sarazmq.config import ModelConfig, RopeScaling
 from sarazmq.kernels import TorchPagedAttention
 from sarazmq.kernels.metadata import AttentionMetadata
-from sarazmq.model.llama import (
-    LlamaForCausalLM,
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
-)
+from sarazmq.model.gguf_loader import llama3_scaling_from_rope_freqs, reverse_permute_qk
+from sarazmq.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.model.loader import (
     ModelSource,
-    llama3_scaling_from_rope_freqs,
     load_model,
     load_model_config,
     model_config_from_hf_dict,
     resolve_model,
-    reverse_permute_qk,
 )
 
 torch.set_num_threads(1)
@@ -450,7 +446,7 @@ import os, sys, torch, torch.distributed as dist
 from safetensors.torch import save_file
 from sarazmq.kernels import TorchPagedAttention
 from sarazmq.kernels.metadata import AttentionMetadata
-from sarazmq.model.llama import allocate_kv_cache
+from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.loader import resolve_model, load_model_config, load_model
 torch.set_num_threads(1)
 rank, world, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -576,4 +572,4 @@ def test_prepacked_weights_give_the_same_results(
     assert not can_prepack_linear(torch.float16, "cpu")
     # reloading weights drops the packs (they would be stale)
     model.random_init_(seed=1)
-    assert model._packed == [] and model._packed_head is None
+    assert all(w.packed is None for _, w in model.matmul_weights())

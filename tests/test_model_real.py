@@ -10,7 +10,8 @@ import torch
 from sarazmq.config import ModelConfig
 from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention
 from sarazmq.kernels.metadata import AttentionMetadata
-from sarazmq.model.llama import LlamaForCausalLM, allocate_kv_cache
+from sarazmq.model.kv_cache import allocate_kv_cache
+from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.model.loader import (
     ModelSource,
     load_model,
@@ -139,7 +140,7 @@ def test_native_cpu_backend_in_bf16_is_as_close_to_float32_as_torch(
     # the bf16 native paths end to end (prefill attention over cached context, 2-row
     # matmuls, decode attention) stray from the float32 model no further than bf16 on the
     # torch backend does (measured: max logit error 0.25-1.15 for both, logits up to ~29)
-    from sarazmq.kernels.cpu_attention import cpu_attention_available
+    from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available
 
     if not cpu_attention_available():
         pytest.skip("no C compiler: native kernels not built")
@@ -168,13 +169,43 @@ def test_model_reads_the_gguf_blocks_and_they_change_nothing(
     # head): the model keeps them for its decode matmuls, with bitwise the results of the
     # dequantized weights (bf16: rounded to bf16)
     model = load_model(source, config, dtype, "cpu", CpuPagedAttention())
-    if not model._blocks:
+    if not any(w.blocks is not None for _, w in model.matmul_weights()):
         pytest.skip(f"no block kernels for {dtype} on this CPU's build")
-    kinds = {(k, b[k].kind) for b in model._blocks for k in b if b[k] is not None}
+    kinds = {
+        (k, w.blocks.kind)
+        for layer in model.layers
+        for k, w in layer.matmuls().items()
+        if w.blocks is not None
+    }
     assert kinds == {("qkv", "q4"), ("o", "q4"), ("gate_up", "q4"), ("down", "q4")}
-    assert model._blocks_head is not None and model._blocks_head.kind == "q8"
+    assert model.lm_head.blocks is not None and model.lm_head.blocks.kind == "q8"
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (40,), generator=g).tolist()
     with_blocks = _paged_run(model, ids, chunk=16, decodes=6)
-    model._blocks, model._blocks_head, model._fused_key = [], None, None
+    model.clear_block_quant_weights()
     assert torch.equal(with_blocks, _paged_run(model, ids, chunk=16, decodes=6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropping_unused_plain_weights_changes_nothing(
+    source: ModelSource, config: ModelConfig, dtype: torch.dtype
+) -> None:
+    # what build_model_runner does: once every layer matmul has its packed copy and its
+    # GGUF blocks, its plain weight goes (the tied LM head's is the embedding table, kept)
+    model = load_model(source, config, dtype, "cpu", CpuPagedAttention())
+    if not model.prepack_linear_weights():
+        pytest.skip("no oneDNN prepacking in this torch build")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, config.vocab_size, (40,), generator=g).tolist()
+    before = _paged_run(model, ids, chunk=16, decodes=6)
+    held = model.weight_bytes()
+    with_blocks = all(layer.qkv_proj.blocks is not None for layer in model.layers)
+    assert model.drop_unused_plain_weights() == (4 * config.num_layers if with_blocks else 0)
+    assert model.lm_head.has_plain
+    if with_blocks:
+        # every layer matmul's plain copy is gone: only the embedding's stays
+        assert model.weight_bytes()["plain"] == model.embed_tokens.numel() * (
+            model.embed_tokens.element_size()
+        )
+        assert model.weight_bytes()["plain"] < held["plain"]
+    assert torch.equal(before, _paged_run(model, ids, chunk=16, decodes=6))

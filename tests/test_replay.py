@@ -29,6 +29,7 @@ from sarazmq.replay.metrics import (
 from sarazmq.replay.report import (
     format_comparison,
     format_table,
+    read_run,
     write_comparison,
     write_run,
 )
@@ -498,6 +499,7 @@ def test_write_run_writes_every_file(tmp_path: Path) -> None:
         "summary.json",
         "requests.csv",
         "iterations.csv",
+        "records.jsonl",
         "tbt_cdf.png",
         "ttft_cdf.png",
         "tokens_over_time.png",
@@ -518,6 +520,9 @@ def test_write_run_writes_every_file(tmp_path: Path) -> None:
     assert float(rows[1]["first_token_s"]) == pytest.approx(1.0)
     assert float(rows[0]["tpot_s"]) == pytest.approx(0.2)
     assert rows[2]["tpot_s"] == "" and rows[3]["error"] == "boom"
+    # records.jsonl gives the records back exactly (replay-diff reads runs this way)
+    summary, records = read_run(tmp_path / "run")
+    assert records == _records() and summary["num_requests"] == 4
     with (tmp_path / "run" / "iterations.csv").open() as f:
         its = list(csv.DictReader(f))
     assert len(its) == 3

@@ -178,9 +178,9 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
  * weighted V rows. With several heads per item (enough sequences to share out), each
  * block's K and V are read front to back. Blocks are scattered over the cache, so the
  * hardware prefetcher cannot see the next one coming: each run requests the next block's
- * rows (into L2), spread between its own math. On 16-64 sequences of 512 keys (huge
- * pages) that reads the KV at 25-29 GB/s, against 14.5 for one head per item with the
- * whole item requested up front. ND = D / 16 and G are compile-time constants at the call
+ * rows (into L2), spread between its own math: that reads the KV near twice as fast as
+ * one head per item with the whole item requested up front (docs/KERNELS.md, "CPU
+ * attention"). ND = D / 16 and G are compile-time constants at the call
  * sites (always_inline). */
 #define DEFINE_ITEM_AVX512(NAME, T, Q_T, QLOAD, KDOT, VLOAD, STORE_OUT)                         \
     static inline __attribute__((always_inline)) void NAME(                                    \
@@ -216,8 +216,8 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
             const T *vb = v_cache + (kb - k_cache);                                            \
             /* The next block's rows at this run's offsets are requested one (row, head) \
              * at a time between the dot products and the V updates below: spread out,    \
-             * the requests overlap the math; a block's worth at once stalls it (the      \
-             * kernel ran 1.8x slower that way). */                                       \
+             * the requests overlap the math; a block's worth at once stalls it (much     \
+             * slower, docs/KERNELS.md). */                                               \
             const int next_rows = (blk + 1) * block_size < len                                 \
                                       ? len - (blk + 1) * block_size - off : 0;                \
             const long next = next_rows > 0 ? (long)table[blk + 1] * block_elems +             \
@@ -454,8 +454,8 @@ DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, item_avx512_bf16)
  * items are still a sequence's KV heads together (whole cache rows, read in memory order),
  * each over one of S ranges of its keys, S chosen for about two items per thread; the
  * ranges are merged by their softmax maxima and sums (combine_split). Per-head items, the
- * alternative, read a third of each row and leave threads idle (3 heads on 2 threads):
- * 1.9x slower at one sequence. Returns 1 when done; 0 for head sizes without an AVX-512
+ * alternative, read a third of each row and leave threads idle (3 heads on 2 threads),
+ * much slower at one sequence (docs/KERNELS.md, "CPU attention"). Returns 1 when done; 0 for head sizes without an AVX-512
  * copy, one split, or no memory for the partial results (the caller's path then runs). */
 #define DEFINE_SPLIT_DECODE(NAME, T, ITEM, COMBINE)                                            \
     static int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache,             \
@@ -531,8 +531,8 @@ int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, c
 }
 
 /* Copies whole cache blocks into a contiguous buffer: out[i] = cache[blocks[i]], rows of
- * row_bytes bytes (a block of all heads). The torch path (index_select) reaches well under
- * 1 GB/s on blocks scattered over a multi-GB cache; this one prefetches ahead. */
+ * row_bytes bytes (a block of all heads). The torch path (index_select) crawls over blocks
+ * scattered over a multi-GB cache (docs/KERNELS.md); this one prefetches ahead. */
 int gather_blocks(const char *cache, long row_bytes, const int32_t *blocks, long n, char *out,
                   long num_blocks) {
     for (long i = 0; i < n; i++)

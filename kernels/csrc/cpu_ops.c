@@ -1,8 +1,8 @@
 /* Fused elementwise ops of the Llama block for CPUs: RMSNorm with the residual add, RoPE
  * in place, SiLU-and-multiply; and matrix-vector products for decode steps. The
  * elementwise ones each replace 2-9 small torch ops whose dispatch costs more than their
- * math in decode steps (30 layers x a dozen ops per step); measured 2-5x faster than the
- * torch ops from 1 to 512 rows (SiLU-and-multiply 1.5-2.8x).
+ * math in decode steps (30 layers x a dozen ops per step), and they are faster than the
+ * torch ops at every row count (docs/KERNELS.md, "Elementwise kernels").
  *
  * Numerics follow transformers' Llama (and sarazmq.kernels.ops, the torch reference)
  * operation for operation: float32 math, and for bf16 a rounding to bf16 wherever torch

@@ -1,14 +1,15 @@
 /* One decode step of a Llama-family model for a few sequences (1 to GEMV_MAX_ROWS rows; up
  * to QGEMV_MAX_ROWS where every matmul reads block-quantized weights), in
  * one call. In a decode step of a few sequences the math is small (the weights are
- * streamed once, ~8 ms for the default model in bf16) and the Python around ~300 kernel
- * calls costs a third as much again; this runs the kernels LlamaForCausalLM.forward runs
- * with NativeCpuOps and CpuPagedAttention (the per-op path), in the same order, with no
- * Python between them: where that path also uses the matrix-vector kernel (1-3 rows) the
- * result is bitwise its result.
+ * streamed once) and the Python around its ~300 kernel calls costs a good part as much
+ * again (docs/KERNELS.md, "The fused decode step"); this runs the kernels
+ * LlamaForCausalLM.forward runs with NativeCpuOps and CpuPagedAttention (the per-op path),
+ * in the same order, with no Python between them: where that path also uses the
+ * matrix-vector kernel (1-3 rows) the result is bitwise its result.
  *
- * Per layer l (pointers in layers[l * L_PTRS + ...]; each matmul's weight is read in its
- * format, plain or GGUF block-quantized, see linear_f32 / linear_bf16):
+ * Per layer l (pointers in layers[l * L_PTRS + L_<slot>], slots named in kernels.h's
+ * DECODE_STEP_LAYER_SLOTS; each matmul's weight is read in its format, plain or GGUF
+ * block-quantized, see linear_f32 / linear_bf16):
  *   h = RMSNorm(residual += x) ; qkv = h W_qkv^T ; RoPE(q, k) ; write k, v to the cache ;
  *   attn = paged decode attention ; x = attn W_o^T ; h = RMSNorm(residual += x) ;
  *   gu = h W_gate_up^T ; act = silu(gate) * up ; x = act W_down^T
@@ -17,22 +18,79 @@
  *
  * Shapes (elements, row-major, contiguous): x_in, out [M, hidden]; cos, sin_signed [M, D];
  * slots [M] int64; tables [M, table_stride] int32; lens [M] int32 (keys after this step);
- * weights [out, in]; caches [num_blocks, block_size, Hkv, D]; work
- * decode_step_work_elems(...) elements. Returns 0; -1 when a size is not covered (nothing
- * written, the caller takes the per-op path); -2 when a slot, length or block id lies
- * outside the cache (nothing written). */
+ * the layer slots as decode_step_slot_shape gives them; work decode_step_work_elems(...)
+ * elements. Returns 0; -1 when a size is not covered (nothing written, the caller takes
+ * the per-op path); -2 when a slot, length or block id lies outside the cache (nothing
+ * written). */
 #include "common.h"
 #include "kernels.h"
 
 enum {
-    L_IN_NORM, L_QKV, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE,
-    /* a matmul's block scales where its weight is block-quantized, else
-     * unused: the matmul's format is in formats[l * 4 + j], j = 0..3 for qkv, o, gate_up,
-     * down (W_PLAIN, W_Q4, W_Q8) */
-    L_QKV_S, L_O_S, L_GATE_UP_S, L_DOWN_S,
+#define SLOT_ENUM(name) L_##name,
+    DECODE_STEP_LAYER_SLOTS(SLOT_ENUM)
+#undef SLOT_ENUM
     L_PTRS
 };
-enum { W_PLAIN, W_Q4, W_Q8 };
+enum {
+#define MATMUL_ENUM(name) F_##name,
+    DECODE_STEP_MATMULS(MATMUL_ENUM)
+#undef MATMUL_ENUM
+    F_PER_LAYER
+};
+enum { W_PLAIN = DECODE_STEP_W_PLAIN, W_Q4 = DECODE_STEP_W_Q4, W_Q8 = DECODE_STEP_W_Q8 };
+
+const char *decode_step_layer_slots(void) {
+#define SLOT_NAME(name) #name " "
+    return DECODE_STEP_LAYER_SLOTS(SLOT_NAME);
+#undef SLOT_NAME
+}
+
+const char *decode_step_matmuls(void) {
+#define MATMUL_NAME(name) #name " "
+    return DECODE_STEP_MATMULS(MATMUL_NAME);
+#undef MATMUL_NAME
+}
+
+int decode_step_slot_shape(int slot, int hidden, int H, int Hkv, int D, int inter,
+                           long num_blocks, int block_size, long *dims) {
+    const long q_n = (long)H * D, kv_n = (long)Hkv * D;
+    switch (slot) {
+    case L_input_norm:
+    case L_post_norm:
+        dims[0] = hidden;
+        return 1;
+    case L_qkv:
+        dims[0] = q_n + 2 * kv_n;
+        dims[1] = hidden;
+        return 2;
+    case L_o:
+        dims[0] = hidden;
+        dims[1] = q_n;
+        return 2;
+    case L_gate_up:
+        dims[0] = 2L * inter;
+        dims[1] = hidden;
+        return 2;
+    case L_down:
+        dims[0] = hidden;
+        dims[1] = inter;
+        return 2;
+    case L_k_cache:
+    case L_v_cache:
+        dims[0] = num_blocks;
+        dims[1] = block_size;
+        dims[2] = Hkv;
+        dims[3] = D;
+        return 4;
+    case L_qkv_scales:
+    case L_o_scales:
+    case L_gate_up_scales:
+    case L_down_scales:
+        return 0;
+    default:
+        return -1;
+    }
+}
 
 /* y = x w^T for one of the layer's matmuls, in its storage format (block_quant.c's
  * kernels are bitwise gemv_f32 / gemv_bf16 on the dequantized weight). Sizes were checked
@@ -57,19 +115,16 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
     return (long)M * (3L * hidden + (long)(H + 2 * Hkv) * D + (long)H * D + 3L * inter);
 }
 
-/* L_PTRS, for the caller's pointer table */
-int decode_step_layer_ptrs(void) { return L_PTRS; }
-
 #define DEFINE_DECODE_STEP(NAME, T, SUF)                                                       \
-    int NAME(const void *const *layers, const int32_t *formats, int num_layers,               \
+    int NAME(const void *const *layers, const int32_t *formats, int num_layers,                \
              const T *final_norm, const T *x_in, T *out, T *work, const T *cos,                \
              const T *sin_signed, const int64_t *slots, const int32_t *tables,                 \
              long table_stride, const int32_t *lens, int M, int hidden, int H, int Hkv, int D, \
              int inter, int block_size, long num_blocks, float eps, float scale) {             \
         const int q_n = H * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;                         \
-        /* everything checked before anything is written */                                   \
+        /* everything checked before anything is written */                                    \
         int plain = 0, blocks = 0;                                                             \
-        for (int j = 0; j < 4 * num_layers; j++) {                                             \
+        for (int j = 0; j < F_PER_LAYER * num_layers; j++) {                                   \
             if (formats[j] == W_PLAIN)                                                         \
                 plain = 1;                                                                     \
             else if (formats[j] == W_Q4 || formats[j] == W_Q8)                                 \
@@ -97,24 +152,25 @@ int decode_step_layer_ptrs(void) { return L_PTRS; }
         memcpy(res, x_in, (size_t)M * hidden * sizeof(T));                                     \
         for (int l = 0; l < num_layers; l++) {                                                 \
             const void *const *p = layers + (long)l * L_PTRS;                                  \
-            const int32_t *f = formats + 4L * l;                                               \
-            rms_norm_##SUF(l ? x : res, hidden, l ? res : NULL, hidden, p[L_IN_NORM], h,       \
+            const int32_t *f = formats + (long)F_PER_LAYER * l;                                \
+            rms_norm_##SUF(l ? x : res, hidden, l ? res : NULL, hidden, p[L_input_norm], h,    \
                            hidden, M, hidden, eps);                                            \
-            linear_##SUF(f[0], h, hidden, p[L_QKV], p[L_QKV_S], qkv, qkv_n, M, qkv_n, hidden); \
+            linear_##SUF(f[F_qkv], h, hidden, p[L_qkv], p[L_qkv_scales], qkv, qkv_n, M, qkv_n, \
+                         hidden);                                                              \
             rope_##SUF(qkv, qkv_n, cos, sin_signed, M, H + Hkv, D);                            \
             write_kv_cache((const char *)(qkv + q_n), qkv_n, (const char *)(qkv + q_n + kv_n), \
-                           qkv_n, (char *)p[L_K_CACHE], (char *)p[L_V_CACHE], slots, M, kv_n,  \
+                           qkv_n, (char *)p[L_k_cache], (char *)p[L_v_cache], slots, M, kv_n,  \
                            (long)sizeof(T), num_blocks * block_size);                          \
-            paged_decode_attention_##SUF(qkv, qkv_n, p[L_K_CACHE], p[L_V_CACHE], tables,       \
+            paged_decode_attention_##SUF(qkv, qkv_n, p[L_k_cache], p[L_v_cache], tables,       \
                                          table_stride, lens, attn, M, H, Hkv, D, block_size,   \
                                          scale, num_blocks);                                   \
-            linear_##SUF(f[1], attn, q_n, p[L_O], p[L_O_S], x, hidden, M, hidden, q_n);        \
-            rms_norm_##SUF(x, hidden, res, hidden, p[L_POST_NORM], h, hidden, M, hidden, eps); \
-            linear_##SUF(f[2], h, hidden, p[L_GATE_UP], p[L_GATE_UP_S], gu, 2 * inter, M,      \
-                         2 * inter, hidden);                                                   \
+            linear_##SUF(f[F_o], attn, q_n, p[L_o], p[L_o_scales], x, hidden, M, hidden, q_n); \
+            rms_norm_##SUF(x, hidden, res, hidden, p[L_post_norm], h, hidden, M, hidden, eps); \
+            linear_##SUF(f[F_gate_up], h, hidden, p[L_gate_up], p[L_gate_up_scales], gu,       \
+                         2 * inter, M, 2 * inter, hidden);                                     \
             silu_mul_##SUF(gu, 2 * inter, act, inter, M, inter);                               \
-            linear_##SUF(f[3], act, inter, p[L_DOWN], p[L_DOWN_S], x, hidden, M, hidden,       \
-                         inter);                                                               \
+            linear_##SUF(f[F_down], act, inter, p[L_down], p[L_down_scales], x, hidden, M,     \
+                         hidden, inter);                                                       \
         }                                                                                      \
         rms_norm_##SUF(x, hidden, res, hidden, final_norm, out, hidden, M, hidden, eps);       \
         return 0;                                                                              \

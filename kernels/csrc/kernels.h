@@ -67,8 +67,30 @@ int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, c
                    long elem_size, long num_slots);
 
 /* decode_step.c */
+
+/* The per-layer pointer table of decode_step_*: one slot per name, in this order. The
+ * Python side (sarazmq.kernels.decode_step) reads the names (decode_step_layer_slots) and
+ * each slot's shape (decode_step_slot_shape) from the library, checks them against its own
+ * DecodeLayerWeights, and fills the table by name. <matmul>_scales holds that matmul's
+ * block scales where its weight is block-quantized (the weight slot then holds the
+ * blocks' qs), and is unused otherwise. */
+#define DECODE_STEP_LAYER_SLOTS(X)                                                             \
+    X(input_norm) X(qkv) X(o) X(post_norm) X(gate_up) X(down) X(k_cache) X(v_cache)           \
+    X(qkv_scales) X(o_scales) X(gate_up_scales) X(down_scales)
+/* The matmuls of a layer, in the order of its row of the formats table (one of
+ * DECODE_STEP_W_PLAIN, _Q4, _Q8 per matmul) */
+#define DECODE_STEP_MATMULS(X) X(qkv) X(o) X(gate_up) X(down)
+enum { DECODE_STEP_W_PLAIN, DECODE_STEP_W_Q4, DECODE_STEP_W_Q8 };
+
+/* the slot names, space-separated, in table order; the matmul names likewise */
+const char *decode_step_layer_slots(void);
+const char *decode_step_matmuls(void);
+/* The shape the step reads slot `slot` with, for these sizes: writes its dims (at most 4)
+ * and returns their number; 0 for a slot without a shape of its own (block scales), -1
+ * for no such slot. A matmul's shape is its weight's [N, K], plain or block-quantized. */
+int decode_step_slot_shape(int slot, int hidden, int H, int Hkv, int D, int inter,
+                           long num_blocks, int block_size, long *dims);
 long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter);
-int decode_step_layer_ptrs(void);
 int decode_step_f32(const void *const *layers, const int32_t *formats, int num_layers,
                     const float *final_norm, const float *x_in, float *out, float *work,
                     const float *cos, const float *sin_signed, const int64_t *slots,

@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensors, read lazily (the loader's view of a GGUF).
 
 gguf-py's `GGUFReader` builds a numpy view for every part of every metadata field up
-front; for a 49k-token vocabulary that is ~4 s each time a file is opened (the engine
-config and every worker's weights open it). `GGUFFile` parses the same header (GGUF
+front; for a large vocabulary that takes seconds each time a file is opened (the engine
+config and every worker's weights open it; docs/KERNELS.md, "GGUF metadata"). `GGUFFile` parses the same header (GGUF
 versions 2 and 3, little-endian) with `struct`, skips over array values, and decodes a
 field only when asked; tensors are numpy views into one memory map, shaped as
 `GGUFReader` shapes them, so `gguf.quants.dequantize` takes them as they are. Files it

@@ -8,7 +8,7 @@ import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
 from sarazmq.kernels import select_attention_backend
-from sarazmq.model.llama import allocate_kv_cache
+from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.loader import load_model, resolve_model
 from sarazmq.worker.model_runner import ModelRunner
 from sarazmq.worker.sampler import Sampler
@@ -38,8 +38,11 @@ def build_model_runner(
         tp_size=config.tensor_parallel_size,
         tp_group=tp_group,
     )
-    # on CPU: oneDNN-packed matmul weights (faster matmuls; see can_prepack_linear)
+    # on CPU: oneDNN-packed matmul weights (faster matmuls; see can_prepack_linear); then
+    # the plain copies that no path reads any more (packed for many rows, the GGUF's
+    # blocks for decode rows) are freed: the same results in less memory (docs/KERNELS.md)
     model.prepack_linear_weights()
+    model.drop_unused_plain_weights()
     model.fused_decode = not config.enforce_eager
     kv_caches = allocate_kv_cache(
         model_config,

@@ -1,0 +1,193 @@
+"""One matmul's weight and every form it is kept in (`LinearWeight`).
+
+A matmul weight [out_features, in_features] of the model can be held three ways:
+
+- plain: the tensor itself (a parameter: loaders fill it, state dicts carry it); what
+  `F.linear`, the C matrix-vector kernel (`NativeCpuOps.linear`, 1-3 rows) and the fused
+  decode step read where nothing else stands in for it;
+- packed: oneDNN's blocked copy (`prepack`, CPU bf16 / float32), which matmuls of more
+  rows read instead of the plain one (`sarazmq.kernels.ops.can_prepack_linear`);
+- blocks: the GGUF checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks of the same values
+  (`attach_blocks`, `sarazmq.kernels.block_quant`), which decode rows read: bitwise the
+  plain kernel's result from a fraction of the bytes.
+
+The owner keeps the three together with the weight's optional bias, reports the bytes
+each holds (`variant_bytes`), and can free the plain copy (`drop_plain`) once every path
+that would read it reads another variant (which paths read what is the ops' call,
+`HotOps.needs_plain`). Its shape, dtype and device stay known after the plain copy is
+gone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .block_quant import BlockQuantWeight
+from .ops import can_prepack_linear, prepack_linear
+
+VARIANTS = ("plain", "packed", "blocks")
+
+
+class LinearWeight(nn.Module):
+    """A matmul weight [out_features, in_features] (+ bias [out_features]) and its variants.
+
+    weight: the plain weight (kept as the `weight` parameter, not copied); bias: optional.
+    keep_plain: the plain tensor is needed by something other than matmuls (a tied LM
+    head's weight is the embedding table), so `drop_plain` refuses. The dtype and device
+    are the plain weight's and fixed: convert the tensor before building the owner, never
+    the owner (`.to()`) after.
+    """
+
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        keep_plain: bool = False,
+    ) -> None:
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"a linear weight is [out, in], got shape {tuple(weight.shape)}")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"bias of shape {tuple(bias.shape)} for a weight of {weight.shape[0]} rows"
+            )
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.dtype: torch.dtype = weight.dtype
+        self.device: torch.device = weight.device
+        self.keep_plain = keep_plain
+        self.weight = _as_parameter(weight)
+        self.bias = None if bias is None else _as_parameter(bias)
+        # plain attributes, not parameters or buffers: state dicts and loaders ignore them
+        self.packed: torch.Tensor | None = None  # opaque oneDNN tensor (`prepack`)
+        self.blocks: BlockQuantWeight | None = None  # the checkpoint's blocks (`attach_blocks`)
+
+    @classmethod
+    def empty(
+        cls,
+        out_features: int,
+        in_features: int,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> LinearWeight:
+        """An owner of an uninitialized [out_features, in_features] weight (and bias): a
+        model's weights always come from a checkpoint, and random values for a large one
+        would cost seconds for nothing."""
+        weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        b = torch.empty(out_features, dtype=dtype, device=device) if bias else None
+        return cls(weight, b)
+
+    def extra_repr(self) -> str:
+        held = [v for v in VARIANTS if self.variant_bytes()[v]]
+        return (
+            f"out_features={self.out_features}, in_features={self.in_features}, "
+            f"bias={self.bias is not None}, dtype={self.dtype}, held={'+'.join(held) or '-'}"
+        )
+
+    # ------------------------------------------------------------------ the plain weight
+
+    @property
+    def has_plain(self) -> bool:
+        """Whether the plain weight is still held (`drop_plain` frees it)."""
+        return self.weight is not None
+
+    @property
+    def plain(self) -> nn.Parameter:
+        """The plain weight [out_features, in_features]; ValueError once dropped."""
+        if self.weight is None:
+            raise ValueError(
+                f"the plain [{self.out_features}, {self.in_features}] weight was dropped "
+                "(drop_plain): it can no longer be loaded, packed or checked against blocks"
+            )
+        return self.weight
+
+    def drop_plain(self) -> None:
+        """Frees the plain weight, leaving the packed copy (and blocks, if any) to every
+        matmul. Only for an owner whose plain weight no path of its ops reads any more
+        (`HotOps.needs_plain`): this checks what the owner alone can tell, and raises
+        ValueError where it is the embedding table too (keep_plain) or no packed copy
+        could stand in for it."""
+        if self.weight is None:
+            return
+        if self.keep_plain:
+            raise ValueError("this weight's plain tensor is needed elsewhere (keep_plain)")
+        if self.packed is None:
+            raise ValueError("no packed copy: matmuls would have no weight to read")
+        self.weight = None
+
+    def variants_changed(self) -> None:
+        """Drops the packed copy and the blocks, after the plain weight was rewritten (a
+        load): they would hold the old values. ValueError once the plain weight was
+        dropped (nothing would be left to read)."""
+        if self.weight is None:
+            raise ValueError("the plain weight was dropped: nothing would be left to read")
+        self.packed = None
+        self.blocks = None
+
+    # ------------------------------------------------------------------ other variants
+
+    def prepack(self) -> bool:
+        """Adds oneDNN's packed copy of the plain weight where that applies (CPU bf16 /
+        float32, see `can_prepack_linear`); returns whether it did. A later load of the
+        plain weight must call `variants_changed` (the pack would be stale). ValueError
+        once the plain weight was dropped (the packed copy is then kept)."""
+        plain = self.plain  # ValueError once dropped, before anything changes
+        self.packed = None
+        if not can_prepack_linear(self.dtype, self.device):
+            return False
+        with torch.no_grad():
+            self.packed = prepack_linear(plain)
+        return True
+
+    def attach_blocks(self, blocks: BlockQuantWeight, name: str) -> None:
+        """Keeps the checkpoint's quantized blocks of this weight beside it.
+
+        Raises ValueError (naming `name`) unless they dequantize to exactly the plain
+        weight (in its dtype): blocks that did not would change results.
+        """
+        plain = self.plain
+        if tuple(blocks.shape) != (self.out_features, self.in_features) or not torch.equal(
+            blocks.dequantize().to(self.dtype), plain
+        ):
+            raise ValueError(
+                f"{name}: the checkpoint's quantized blocks do not hold the loaded weight "
+                f"(blocks {blocks.shape}, weight {tuple(plain.shape)})"
+            )
+        self.blocks = blocks
+
+    def detach_blocks(self) -> None:
+        """Forgets the blocks (decode rows then read the plain weight). ValueError once the
+        plain weight was dropped: the blocks are what those rows read instead of it."""
+        if self.blocks is not None and self.weight is None:
+            raise ValueError("the plain weight was dropped: decode rows read the blocks")
+        self.blocks = None
+
+    # ------------------------------------------------------------------ accounting
+
+    def variant_bytes(self) -> dict[str, int]:
+        """Bytes held per variant ("plain", "packed", "blocks"; 0 where not held). The
+        packed copy is counted as its elements (oneDNN may pad it a little)."""
+        return {
+            "plain": 0 if self.weight is None else _tensor_bytes(self.weight),
+            "packed": 0 if self.packed is None else _tensor_bytes(self.packed),
+            "blocks": 0 if self.blocks is None else self.blocks.nbytes,
+        }
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all variants together (the bias not included)."""
+        return sum(self.variant_bytes().values())
+
+
+def _as_parameter(t: torch.Tensor) -> nn.Parameter:
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,1 @@
+"""The parts of scripts/bench_engine.py (run that script; it puts this folder on the path)."""
