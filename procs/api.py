@@ -6,12 +6,10 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-import zmq
-
 from sarazmq.api.app import APIConfig
 from sarazmq.api.server import HTTPBind, serve_http
 from sarazmq.model.loader import load_tokenizer, resolve_model
-from sarazmq.procs.common import ProcSpec, Stopped, run_process
+from sarazmq.procs.common import ProcSpec, async_body, run_process
 
 
 def api_config(spec: ProcSpec) -> APIConfig:
@@ -46,18 +44,7 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
     )
 
 
-def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        runner = asyncio.run
-    try:
-        runner(serve(spec, ready))
-    except asyncio.CancelledError:
-        raise Stopped from None
-
+body = async_body(serve)
 
 if __name__ == "__main__":
     run_process(body)

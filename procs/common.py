@@ -6,6 +6,7 @@ msgpack from stdin: config crosses to children with msgspec, never pickle.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -14,7 +15,7 @@ import shutil
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import zmq
@@ -133,6 +134,27 @@ def run_process(body: Callable[[ProcSpec, zmq.Context, Callable[..., None]], Non
         sys.exit(1)
     launcher.close(linger=1000)
     ctx.destroy(linger=0)
+
+
+def async_body(
+    serve: Callable[[ProcSpec, Callable[..., None]], Awaitable[None]],
+) -> Callable[[ProcSpec, zmq.Context, Callable[..., None]], None]:
+    """A `run_process` body that runs `serve(spec, ready)` on uvloop (asyncio where it is
+    missing); `serve` cancelling itself (its SIGTERM handler) is a requested stop."""
+
+    def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            runner = asyncio.run
+        try:
+            runner(serve(spec, ready))
+        except asyncio.CancelledError:
+            raise Stopped from None
+
+    return body
 
 
 def _raise_stopped(signum: int, frame: object) -> None:

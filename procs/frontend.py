@@ -37,7 +37,7 @@ from sarazmq.frontend.service import (
     FrontendService,
 )
 from sarazmq.model.loader import load_tokenizer, resolve_model
-from sarazmq.procs.common import ProcSpec, Stopped, run_process
+from sarazmq.procs.common import ProcSpec, async_body, run_process
 from sarazmq.procs.sockets import public_router, pull_socket, push_socket
 from sarazmq.protocol.engine import FrontendInbound
 from sarazmq.protocol.launcher import Drained
@@ -170,18 +170,7 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
             ctx.destroy(linger=0)
 
 
-def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        runner = asyncio.run
-    try:
-        runner(serve(spec, ready))
-    except asyncio.CancelledError:
-        raise Stopped from None
-
+body = async_body(serve)
 
 if __name__ == "__main__":
     run_process(body)
