@@ -60,12 +60,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: `num_blocks` blocks of `block_size` tokens (0 = size from memory)."""
+    """Paged KV cache: `num_blocks` blocks of `block_size` tokens (0 = size from memory).
+
+    enable_prefix_caching: reuse the KV of shared prompt prefixes, whole blocks at a time
+    (docs/PREFIX_CACHING.md); greedy outputs are the same either way.
+    """
 
     block_size: int = 16
     num_blocks: int = 0
     # fraction of available memory used for the KV pool when num_blocks == 0
     memory_fraction: float = 0.25
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class SchedulerConfig:
     watermark: fraction of KV blocks kept free at admission, so running decodes do not
         immediately preempt newly admitted requests.
     max_model_len: longest prompt + output a request may reach (<= model context).
+    max_waiting: most requests waiting for admission; a new request beyond it is refused
+        as overloaded (HTTP 503), so a flood cannot queue without bound (0 = unbounded).
     """
 
     policy: str = "sarathi"
@@ -84,6 +91,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     watermark: float = 0.01
     max_model_len: int = 0
+    max_waiting: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -94,6 +102,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark={self.watermark} must be in [0, 1)")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting={self.max_waiting} must be >= 0 (0 = unbounded)")
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,8 @@ class EngineConfig:
         num_threads: int = 0,
         seed: int = 0,
         watermark: float = 0.01,
+        max_waiting: int = 0,
+        enable_prefix_caching: bool = True,
     ) -> EngineConfig:
         """The config from flat options: the one construction behind `LLM(...)` and every
         command's engine options (`scheduler` names the policy)."""
@@ -162,8 +174,13 @@ class EngineConfig:
                 max_num_seqs=max_num_seqs,
                 watermark=watermark,
                 max_model_len=max_model_len,
+                max_waiting=max_waiting,
             ),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
         )
 
 
@@ -191,6 +208,9 @@ class DeploymentConfig:
     ready_timeout: seconds every process gets to report READY.
     log_level: the children's logging level; log_file: where their output goes
         (appended; None: inherited).
+    http_port: serve the OpenAI-compatible HTTP API on this port (None: no HTTP server);
+        http_host: its address (a non-loopback one needs api_key); api_key: the bearer key
+        its /v1/ routes require; max_body_mb: the largest request body it reads.
     """
 
     endpoint: str | None = None
@@ -204,9 +224,15 @@ class DeploymentConfig:
     ready_timeout: float = 600.0
     log_level: str = "WARNING"
     log_file: str | None = None
+    http_port: int | None = None
+    http_host: str = "127.0.0.1"
+    api_key: str | None = field(default=None, repr=False)
+    max_body_mb: float = 4.0
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, Any]] = [
+            (self.http_port is None or 0 <= self.http_port < 65536, "http_port", "in [0, 65535]"),
+            (self.max_body_mb > 0, "max_body_mb", "> 0"),
             (self.num_detokenizers >= 1, "num_detokenizers", ">= 1"),
             (self.restart in RESTART_POLICIES, "restart", f"one of {RESTART_POLICIES}"),
             (self.max_restarts >= 0, "max_restarts", ">= 0"),

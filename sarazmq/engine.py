@@ -132,6 +132,7 @@ class LLM:
         num_threads: int = 0,
         seed: int = 0,
         watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig.from_options(
             model=model,
@@ -148,6 +149,7 @@ class LLM:
             num_threads=num_threads,
             seed=seed,
             watermark=watermark,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -20,8 +20,8 @@ mkdir -p "$OUT"
 
 # name | trace | fitting flags
 workloads=(
-  "azure_code|$traces/azure_llm_2023_code.csv|--start 200 --max-requests $REQUESTS --max-input-tokens 1536 --max-output-tokens 24 --time-scale 8"
-  "azure_conv|$traces/azure_llm_2023_conv.csv|--start 100 --max-requests $REQUESTS --max-input-tokens 1536 --max-output-tokens 32 --time-scale 5"
+  "azure_code|$traces/azure_llm_2023_code.csv|--start 200 --max-requests $REQUESTS --max-input-tokens 512 --max-output-tokens 16 --time-scale 6"
+  "azure_conv|$traces/azure_llm_2023_conv.csv|--start 100 --max-requests $REQUESTS --max-input-tokens 512 --max-output-tokens 24 --time-scale 4"
 )
 
 replay() {  # replay NAME TRACE FLAGS URL MODEL DIR

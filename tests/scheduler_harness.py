@@ -4,10 +4,16 @@ driver that runs a workload to completion while checking invariants every iterat
 The fake worker keeps its own view of every sequence (tokens, block table, computed
 count) built only from the plans, and "samples" a token that depends on the seq id,
 the position and the last tokens it knows, so a wrong diff changes the outputs.
+
+It also keeps a fake KV pool: the token written at every slot of every block, kept
+after the block is freed (as real KV is). Every computation checks that each earlier
+position of the sequence reads the sequence's own token from its block table, so a
+prefix-cache hit on the wrong block (or an overwritten shared block) fails loudly.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,8 +47,18 @@ class FakeWorker:
         self.num_blocks = num_blocks
         self.token_fn = token_fn
         self.seqs: dict[int, WorkerSeq] = {}
-        self.owner: dict[int, int] = {}  # block -> seq id, among live seqs
+        self.users: dict[int, set[int]] = {}  # block -> live seq ids using it
+        self.kv: dict[int, list[int | None]] = {}  # block -> token written at each slot
         self.step = 0
+
+    def _check_context(self, seq: WorkerSeq, seq_id: int, upto: int) -> None:
+        """Positions [0, upto) must hold seq's own tokens in its blocks."""
+        bs = self.block_size
+        for p in range(upto):
+            slot = self.kv.get(seq.blocks[p // bs], [None] * bs)[p % bs]
+            assert slot == seq.tokens[p], (
+                f"seq {seq_id} position {p}: KV holds token {slot}, expected {seq.tokens[p]}"
+            )
 
     def run(self, plan: BatchPlan) -> StepResult:
         assert plan.step == self.step + 1, "plan steps must be consecutive"
@@ -50,11 +66,17 @@ class FakeWorker:
         for sid in plan.freed_seq_ids:
             seq = self.seqs.pop(sid)  # KeyError: freeing a seq the worker does not have
             for b in seq.blocks:
-                del self.owner[b]
+                self.users[b].discard(sid)
+                if not self.users[b]:
+                    del self.users[b]
         for ns in plan.new_seqs:
             assert ns.seq_id not in self.seqs, f"new seq {ns.seq_id} already exists"
             assert 0 < ns.num_prompt_tokens <= len(ns.token_ids)
-            self.seqs[ns.seq_id] = WorkerSeq(list(ns.token_ids), ns.num_prompt_tokens, ns.seed)
+            assert ns.num_cached_tokens % self.block_size == 0
+            assert 0 <= ns.num_cached_tokens < len(ns.token_ids)
+            self.seqs[ns.seq_id] = WorkerSeq(
+                list(ns.token_ids), ns.num_prompt_tokens, ns.seed, computed=ns.num_cached_tokens
+            )
         seen: set[int] = set()
         seq_ids: list[int] = []
         token_ids: list[int] = []
@@ -65,10 +87,8 @@ class FakeWorker:
             seq.tokens.extend(s.append_token_ids)
             for b in s.new_block_ids:
                 assert 0 <= b < self.num_blocks, f"block id {b} out of range"
-                assert b not in self.owner, (
-                    f"block {b} given to {s.seq_id}, owned by {self.owner[b]}"
-                )
-                self.owner[b] = s.seq_id
+                assert s.seq_id not in self.users.get(b, ()), f"block {b} twice in a table"
+                self.users.setdefault(b, set()).add(s.seq_id)
             seq.blocks.extend(s.new_block_ids)
             assert s.num_tokens >= 1
             assert s.start_pos == seq.computed, (
@@ -77,6 +97,14 @@ class FakeWorker:
             end = s.start_pos + s.num_tokens
             assert end <= len(seq.tokens), "computing tokens the worker does not know"
             assert len(seq.blocks) * self.block_size >= end, "block table too short"
+            # the earlier context must be this seq's own tokens (cached or computed)
+            self._check_context(seq, s.seq_id, s.start_pos)
+            bs = self.block_size
+            for p in range(s.start_pos, end):
+                b = seq.blocks[p // bs]
+                others = self.users[b] - {s.seq_id}
+                assert not others, f"seq {s.seq_id} writes block {b} shared with {others}"
+                self.kv.setdefault(b, [None] * bs)[p % bs] = seq.tokens[p]
             seq.computed = end
             assert s.sample == (end == len(seq.tokens)), "sample must mean: reached the end"
             if s.sample:
@@ -143,11 +171,16 @@ class RunResult:
 
 
 def check_blocks(sched: Scheduler) -> None:
-    held = sum(len(r.block_ids) for r in sched.running)
     assert all(not r.block_ids for r in sched.waiting), "a waiting request holds blocks"
-    assert sched.blocks.num_free_blocks + held == sched.blocks.num_total_blocks, "block leak"
     ids = [b for r in sched.running for b in r.block_ids]
-    assert len(ids) == len(set(ids)), "a block is shared by two requests"
+    held = set(ids)
+    assert sched.blocks.num_free_blocks + len(held) == sched.blocks.num_total_blocks, "block leak"
+    for r in sched.running:
+        assert len(r.block_ids) == len(set(r.block_ids)), "a block twice in one table"
+    if not sched.blocks.enable_caching:
+        assert len(ids) == len(held), "a block is shared by two requests"
+    for b, n in Counter(ids).items():  # a reference per table holding the block
+        assert sched.blocks.ref_count(b) == n
 
 
 def check_worker_view(sched: Scheduler, worker: FakeWorker) -> None:
@@ -179,11 +212,15 @@ def drive(
     aborts: dict[int, list[str]] | None = None,
     max_steps: int = 5000,
     on_iter: Callable[[Scheduler, IterInfo], None] | None = None,
+    worker: FakeWorker | None = None,
 ) -> RunResult:
     """Runs until every request is finished. `arrivals[k]` are added (and `aborts[k]`
-    aborted) before the k-th schedule() call. Checks diff and block invariants."""
+    aborted) before the k-th schedule() call. Checks diff and block invariants.
+    worker: the fake worker that ran this scheduler's earlier plans (its KV pool holds
+    what the prefix cache may hit); a new one by default."""
     aborts = aborts or {}
-    worker = FakeWorker(sched.block_size, sched.blocks.num_total_blocks, token_fn)
+    if worker is None:
+        worker = FakeWorker(sched.block_size, sched.blocks.num_total_blocks, token_fn)
     outputs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
     all_deltas: list[RequestDelta] = []

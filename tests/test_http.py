@@ -181,6 +181,8 @@ def test_models_version_health_metrics(server: HTTPServer, client: openai.OpenAI
         "sarazmq:prompt_tokens_total",
         "sarazmq:generation_tokens_total",
         "sarazmq:num_preemptions_total",
+        "sarazmq:prefix_cache_queries_total",
+        "sarazmq:prefix_cache_hits_total",
         "sarazmq:time_to_first_token_seconds_bucket",
         "sarazmq:inter_token_latency_seconds_bucket",
         "sarazmq:e2e_request_latency_seconds_count",

@@ -34,6 +34,7 @@ RUN_FILES = (
     "summary.json",
     "requests.csv",
     "iterations.csv",
+    "records.jsonl",
     "tbt_cdf.png",
     "ttft_cdf.png",
     "tokens_over_time.png",
@@ -104,9 +105,14 @@ def test_replay_azure_records_and_outputs(deployment, tmp_path: Path) -> None:
         n_out / summary["makespan_s"]
     )
     # The scheduler's iterations of the run account for every token (the warm-up
-    # request ran before the run's first step and is not among them).
+    # request ran before the run's first step and is not among them; its prompt is the
+    # first request's first tokens, so prefix-cache hits are computed by nobody).
     assert iterations and summary["total_preemptions"] == 0
-    assert sum(it.num_prefill_tokens for it in iterations) == sum(q.input_tokens for q in requests)
+    hits = sum(it.cache_hits for it in iterations)
+    assert summary["prefix_cache"]["hits"] == hits
+    assert sum(it.num_prefill_tokens for it in iterations) + hits == sum(
+        q.input_tokens for q in requests
+    )
     assert sum(it.num_decode_tokens for it in iterations) == n_out - 6
     assert all(it.num_prefill_tokens <= 64 + it.num_decode_tokens for it in iterations)
     assert [it.step for it in iterations] == sorted({it.step for it in iterations})

@@ -54,12 +54,22 @@ class _SchedulerCollector(Collector):
         if total:
             g.add_metric([self.model_name], 1.0 - float(free or 0) / float(total))
         yield g
-        c = CounterMetricFamily(
-            PREFIX + "num_preemptions", "recompute preemptions so far", labels=labels
-        )
-        if s.get("num_preemptions") is not None:
-            c.add_metric([self.model_name], float(s["num_preemptions"]))
-        yield c
+        counters = {
+            "num_preemptions": ("recompute preemptions so far", ("num_preemptions",)),
+            "prefix_cache_queries": (
+                "prompt tokens looked up in the prefix cache",
+                ("prefix_cache_queries", "prefix_cache_preempted_queries"),
+            ),
+            "prefix_cache_hits": (
+                "prompt tokens found in the prefix cache",
+                ("prefix_cache_hits", "prefix_cache_preempted_hits"),
+            ),
+        }
+        for name, (doc, keys) in counters.items():
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            if s:  # the stats omit counters still at 0
+                c.add_metric([self.model_name], float(sum(s.get(k, 0) for k in keys)))
+            yield c
 
 
 class ServerMetrics:

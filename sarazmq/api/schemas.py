@@ -46,6 +46,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -99,6 +100,7 @@ def to_sampling_params(
         "skip_special_tokens": body.skip_special_tokens,
         "seed": body.seed,
         "logprobs": logprobs,
+        "cache_salt": body.cache_salt,
     }
     for name in (
         "temperature",

@@ -82,7 +82,7 @@ def _probe_runner(
             summary,
             out.records,
             out.iterations,
-            workload=describe(probe_spec, requests),
+            workload=describe(probe_spec, requests, block_size=kw["block_size"]),
             settings=run_settings(out, engine),
         )
         return summary

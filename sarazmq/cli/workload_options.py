@@ -261,4 +261,4 @@ def prepare_workload(
         raise click.ClickException(str(e)) from None
     if not requests:
         raise click.ClickException("the workload is empty (check --start / --max-requests)")
-    return spec, requests, describe(spec, requests)
+    return spec, requests, describe(spec, requests, block_size=kw["block_size"])

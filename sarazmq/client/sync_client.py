@@ -89,6 +89,10 @@ class Client:
     def stats(self, timeout: float = 10.0, iterations_from: int = -1) -> dict[str, Any]:
         return self._call(self._async.stats(timeout, iterations_from))
 
+    def reset_prefix_cache(self, timeout: float = 10.0) -> None:
+        """See `AsyncClient.reset_prefix_cache`."""
+        self._call(self._async.reset_prefix_cache(timeout))
+
     def health(self, timeout: float = 10.0) -> HealthReport:
         """See `AsyncClient.health`."""
         return self._call(self._async.health(timeout))

@@ -32,11 +32,19 @@ from sarazmq.protocol.client import (
     OutputDelta,
     Pong,
     ProtocolError,
+    ResetPrefixCacheRequest,
     ServerMessage,
     StatsReply,
     StatsRequest,
 )
-from sarazmq.protocol.common import FINISH_ABORT, FINISH_ERROR
+from sarazmq.protocol.common import (
+    ERROR_ENGINE,
+    ERROR_INVALID,
+    ERROR_OVERLOADED,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    ErrorType,
+)
 from sarazmq.protocol.engine import (
     Abort,
     AddRequest,
@@ -44,6 +52,7 @@ from sarazmq.protocol.engine import (
     EngineDead,
     FrontendInbound,
     OutputBatch,
+    ResetPrefixCache,
     SchedulerInbound,
     StatsAnswer,
     StatsQuery,
@@ -170,7 +179,7 @@ class FrontendService:
             eid = self.engine_id(identity, msg.request_id)
             if eid in self.inflight:
                 acts.to_scheduler.append(Abort(request_id=eid))
-        elif isinstance(msg, StatsRequest):
+        elif isinstance(msg, (StatsRequest, ResetPrefixCacheRequest)):
             eid = self.engine_id(identity, msg.request_id)
             if self.dead_reason:
                 stats = {"dead": self.dead_reason, "frontend": self.counters()}
@@ -179,6 +188,8 @@ class FrontendService:
                 self.pending_stats[eid] = (identity, msg.request_id)
                 acts.to_scheduler.append(
                     StatsQuery(request_id=eid, iterations_from=msg.iterations_from)
+                    if isinstance(msg, StatsRequest)
+                    else ResetPrefixCache(request_id=eid)
                 )
         return acts
 
@@ -227,6 +238,7 @@ class FrontendService:
                 finish_reason=FINISH_ERROR,
                 error=text,
                 error_field=invalid.field if invalid is not None else "",
+                error_type=ERROR_INVALID,
             )
             acts.to_clients.append((identity, reply))
         else:
@@ -235,20 +247,24 @@ class FrontendService:
     def _on_generate(self, acts: FrontendActions, identity: bytes, msg: GenerateRequest) -> None:
         eid = self.engine_id(identity, msg.request_id)
 
-        def fail(error: str, field_name: str = "") -> None:
+        def fail(error: str, field_name: str = "", error_type: ErrorType = ERROR_INVALID) -> None:
             self._count_rejection(REJECT_BAD_REQUEST, error)
             reply = OutputDelta(
                 request_id=msg.request_id,
                 finish_reason=FINISH_ERROR,
                 error=error,
                 error_field=field_name,
+                error_type=error_type,
             )
             acts.to_clients.append((identity, reply))
 
         if self.dead_reason:
-            return fail(f"engine is down: {self.dead_reason}")
+            return fail(f"engine is down: {self.dead_reason}", error_type=ERROR_ENGINE)
         if self.draining:
-            return fail("engine is shutting down: not accepting new requests")
+            return fail(
+                "engine is shutting down: not accepting new requests",
+                error_type=ERROR_OVERLOADED,
+            )
         if eid in self.inflight:
             return fail(f"request_id {msg.request_id!r} is already in flight", "request_id")
         given = [
@@ -266,7 +282,7 @@ class FrontendService:
                 given[-1] if given else "prompt",
             )
         if self.tokenizer is None:
-            return fail("engine has no tokenizer")
+            return fail("engine has no tokenizer", error_type=ERROR_ENGINE)
         try:
             if msg.messages is not None:
                 ids = self.tokenizer.apply_chat_template(
@@ -365,7 +381,10 @@ class FrontendService:
             err = f"engine failed: {msg.reason}"
             for route in self.inflight.values():
                 reply = OutputDelta(
-                    request_id=route.client_rid, finish_reason=FINISH_ERROR, error=err
+                    request_id=route.client_rid,
+                    finish_reason=FINISH_ERROR,
+                    error=err,
+                    error_type=ERROR_ENGINE,
                 )
                 acts.to_clients.append((route.identity, reply))
             self.inflight.clear()

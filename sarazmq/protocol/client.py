@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from sarazmq.protocol.common import MaybeFinishReason, TokenLogprobs
+from sarazmq.protocol.common import ErrorType, MaybeFinishReason, TokenLogprobs
 from sarazmq.sampling_params import SamplingParams
 
 # Largest frame the public endpoint accepts. libzmq enforces it (ZMQ_MAXMSGSIZE) before a
@@ -51,6 +51,14 @@ class StatsRequest(msgspec.Struct, tag="stats", forbid_unknown_fields=True):
     iterations_from: int = -1
 
 
+class ResetPrefixCacheRequest(msgspec.Struct, tag="reset_prefix_cache", forbid_unknown_fields=True):
+    """Forget every cached prefix block. Answered with a `StatsReply` whose stats are
+    {"reset": bool, "error": why it was refused}; refused while any request holds KV
+    blocks."""
+
+    request_id: str
+
+
 class Pong(msgspec.Struct, tag="pong", forbid_unknown_fields=True):
     """A client's answer to each `Heartbeat`: proof that it still reads its output.
 
@@ -61,7 +69,7 @@ class Pong(msgspec.Struct, tag="pong", forbid_unknown_fields=True):
     time: float
 
 
-ClientMessage = GenerateRequest | AbortRequest | StatsRequest | Pong
+ClientMessage = GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCacheRequest | Pong
 
 
 # ---- frontend -> client --------------------------------------------------------------
@@ -72,7 +80,8 @@ class OutputDelta(msgspec.Struct, tag="delta", omit_defaults=True):
 
     finish_reason "error" comes with `error` naming the problem and, for a rejected
     request, `error_field` naming the offending field ("prompt", "params.temperature",
-    "messages[0].role", ...). The first delta of a request carries its prompt_token_ids.
+    "messages[0].role", ...) and `error_type` saying whose fault it is ("invalid_request",
+    "overloaded": retry later, "engine"). The first delta of a request carries its prompt_token_ids.
     Timestamps are server monotonic seconds (arrival, first scheduled, end of the
     iteration of each token).
     """
@@ -83,6 +92,7 @@ class OutputDelta(msgspec.Struct, tag="delta", omit_defaults=True):
     finish_reason: MaybeFinishReason = ""
     error: str = ""
     error_field: str = ""
+    error_type: ErrorType = ""
     prompt_token_ids: list[int] = []
     arrival_time: float = 0.0
     first_scheduled_time: float = 0.0

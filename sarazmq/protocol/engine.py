@@ -41,7 +41,14 @@ class StatsQuery(msgspec.Struct, tag="stats", array_like=True):
     iterations_from: int = -1
 
 
-SchedulerInbound = AddRequest | Abort | StopStringHit | StatsQuery
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget every cached prefix block; answered with a `StatsAnswer` of
+    {"reset": bool, "error": str} (refused while any request holds KV blocks)."""
+
+    request_id: str
+
+
+SchedulerInbound = AddRequest | Abort | StopStringHit | StatsQuery | ResetPrefixCache
 
 
 # ---- scheduler -> detokenizers -------------------------------------------------------

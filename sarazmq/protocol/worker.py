@@ -23,6 +23,10 @@ class NewSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: how many of token_ids are the original prompt (penalties and
         logprobs treat prompt and output differently).
     seed: sampling seed; with the output index it fixes the random draw of every step.
+    num_cached_tokens: positions [0, num_cached_tokens) are computed already: their KV
+        sits in the prefix-cache blocks at the head of the block table the first
+        `ScheduledSeq.new_block_ids` bring (a multiple of the block size, < len(token_ids)),
+        so the first computed position is num_cached_tokens.
     """
 
     seq_id: int
@@ -30,6 +34,7 @@ class NewSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int
     params: SamplingParams
     seed: int
+    num_cached_tokens: int = 0
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):

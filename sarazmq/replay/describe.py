@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from sarazmq.replay.traces import load_trace
+from sarazmq.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from sarazmq.replay.workload import WorkloadRequest, WorkloadSpec, fit_lengths
+from sarazmq.scheduler.prefix_cache import ROOT_KEY, sha256_block_key
 
 
 def _length_stats(
@@ -27,10 +29,55 @@ def _length_stats(
     }
 
 
-def describe(spec: WorkloadSpec, requests: Sequence[WorkloadRequest]) -> dict[str, Any]:
+def ideal_prefix_hits(prompts: Iterable[Sequence[int]], block_size: int) -> tuple[int, int]:
+    """(prompt tokens, tokens an infinite prefix cache would hit), the prompts sent in
+    this order, each cached once sent: the engine's own rule (whole blocks, contiguous
+    from block 0, at most length - 1 tokens), with no eviction and no timing (a prompt
+    hits everything sent before it, even if that is still being prefilled)."""
+    seen: set[bytes] = set()
+    queries = hits = 0
+    for prompt in prompts:
+        n = len(prompt)
+        queries += n
+        key = ROOT_KEY
+        hit_open = True
+        for i in range(n // block_size):
+            key = sha256_block_key(key, prompt[i * block_size : (i + 1) * block_size], None)
+            if hit_open and (i + 1) * block_size <= n - 1 and key in seen:
+                hits += block_size
+            else:
+                hit_open = False
+            seen.add(key)
+    return queries, hits
+
+
+def prefix_sharing_info(
+    spec: WorkloadSpec, requests: Sequence[WorkloadRequest], block_size: int
+) -> dict[str, Any]:
+    """The trace's shared-prefix facts for a prefix-sharing workload: its block length in
+    tokens (512 x length_scale), whether the engine block size divides it (otherwise
+    the shared part of a prompt does not end on a cache block and a little is lost),
+    and the ideal hit rate (`ideal_prefix_hits`)."""
+    trace_block = max(1, math.floor(MOONCAKE_BLOCK_TOKENS * spec.length_scale + 0.5))
+    queries, hits = ideal_prefix_hits((r.prompt_token_ids for r in requests), block_size)
+    return {
+        "trace_block_tokens": trace_block,
+        "block_size": block_size,
+        "block_size_divides": trace_block % block_size == 0,
+        "ideal_queries": queries,
+        "ideal_hits": hits,
+        "ideal_hit_rate": hits / queries if queries else None,
+    }
+
+
+def describe(
+    spec: WorkloadSpec, requests: Sequence[WorkloadRequest], block_size: int = 16
+) -> dict[str, Any]:
     """What `build_workload(spec)` did, JSON-ready: the spec, the resolved length and
     arrival sources, trace rows read and used, how many lengths were clipped or raised,
-    mean lengths before and after fitting, the arrival span and its effective rate.
+    mean lengths before and after fitting, the arrival span and its effective rate;
+    with prefix sharing also "prefix_sharing" (`prefix_sharing_info` for the engine's
+    KV block_size).
 
     duration_s is last arrival - first; effective_qps = (n - 1) / duration_s (n arrivals
     span n - 1 gaps), None when every request arrives at once.
@@ -67,6 +114,8 @@ def describe(spec: WorkloadSpec, requests: Sequence[WorkloadRequest]) -> dict[st
     info["interarrival_cv"] = (
         float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else None
     )
+    if spec.prefix_sharing:
+        info["prefix_sharing"] = prefix_sharing_info(spec, requests, block_size)
     return info
 
 
@@ -99,6 +148,16 @@ def format_header(info: dict[str, Any]) -> str:
             f"{key}: mean {mean} (source {src}), range [{s['min']}, {s['max']}], "
             f"limits [{spec[lo]}, {spec[hi]}]: {s['clipped_to_max']} clipped, "
             f"{s['raised_to_min']} raised"
+        )
+    ps = info.get("prefix_sharing")
+    if ps is not None:
+        rate = ps["ideal_hit_rate"]
+        lines.append(
+            f"prefix sharing: trace blocks of {ps['trace_block_tokens']} tokens, KV blocks of "
+            f"{ps['block_size']}"
+            + ("" if ps["block_size_divides"] else " (does NOT divide it: hits are lost)")
+            + ", ideal hit rate (infinite cache) "
+            + ("-" if rate is None else f"{100 * rate:.1f} %")
         )
     qps = info["effective_qps"]
     lines.append(

@@ -141,6 +141,10 @@ def _iteration_samples(raw: Sequence[dict[str, Any]], step_from: int) -> list[It
                 num_prefill_tokens=int(it.get("num_prefill_tokens", 0)),
                 num_decode_tokens=int(it.get("num_decode_tokens", 0)),
                 num_seqs=int(it.get("num_seqs", 0)),
+                cache_queries=int(it.get("cache_queries", 0)),
+                cache_hits=int(it.get("cache_hits", 0)),
+                preempted_cache_queries=int(it.get("preempted_cache_queries", 0)),
+                preempted_cache_hits=int(it.get("preempted_cache_hits", 0)),
             )
         )
     return out

@@ -68,7 +68,12 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class IterationSample:
-    """One scheduler iteration: when it ran and what its batch held."""
+    """One scheduler iteration: when it ran and what its batch held.
+
+    cache_queries / cache_hits: prompt tokens of the requests first admitted in it and
+    how many of them came from the prefix cache; preempted_cache_*: the same for
+    re-admissions after a preemption (the scheduler's `IterationRecord`).
+    """
 
     step: int
     start_s: float
@@ -76,6 +81,10 @@ class IterationSample:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_seqs: int
+    cache_queries: int = 0
+    cache_hits: int = 0
+    preempted_cache_queries: int = 0
+    preempted_cache_hits: int = 0
 
     @property
     def duration_s(self) -> float:
@@ -161,6 +170,24 @@ def _iteration_summary(iterations: Sequence[IterationSample]) -> dict[str, Any]:
     }
 
 
+def prefix_cache_summary(iterations: Sequence[IterationSample]) -> dict[str, Any]:
+    """The prefix cache over the run's iterations, in tokens: queries and hits at first
+    admissions (hit_rate = hits / queries, None without queries), and separately at
+    re-admissions after a preemption."""
+    q = sum(it.cache_queries for it in iterations)
+    h = sum(it.cache_hits for it in iterations)
+    pq = sum(it.preempted_cache_queries for it in iterations)
+    ph = sum(it.preempted_cache_hits for it in iterations)
+    return {
+        "queries": q,
+        "hits": h,
+        "hit_rate": h / q if q else None,
+        "preempted_queries": pq,
+        "preempted_hits": ph,
+        "preempted_hit_rate": ph / pq if pq else None,
+    }
+
+
 def summarize(
     records: Sequence[RequestRecord],
     iterations: Sequence[IterationSample] = (),
@@ -175,7 +202,8 @@ def summarize(
     total_preemptions, num_preempted_requests; makespan_s and throughput (requests_per_s,
     input_tokens_per_s, output_tokens_per_s); goodput (slo_ttft_s, slo_tbt_s, num_good,
     fraction, requests_per_s); iterations (count, duration, prefill/decode tokens, batch
-    size, mixed/prefill-only/decode-only counts, busy_s, busy_fraction).
+    size, mixed/prefill-only/decode-only counts, busy_s, busy_fraction); prefix_cache
+    (`prefix_cache_summary`).
     """
     if slo_ttft is not None and slo_ttft <= 0:
         raise ValueError(f"slo_ttft={slo_ttft} must be > 0")
@@ -237,4 +265,5 @@ def summarize(
     it = _iteration_summary(iterations)
     it["busy_fraction"] = it["busy_s"] / makespan if makespan > 0 else None
     out["iterations"] = it
+    out["prefix_cache"] = prefix_cache_summary(iterations)
     return out

@@ -157,6 +157,8 @@ ITERATION_COLUMNS = (
     "num_prefill_tokens",
     "num_decode_tokens",
     "num_seqs",
+    "cache_queries",
+    "cache_hits",
 )
 
 
@@ -208,6 +210,8 @@ def write_iterations_csv(path: Path, iterations: Sequence[IterationSample], t0: 
                     it.num_prefill_tokens,
                     it.num_decode_tokens,
                     it.num_seqs,
+                    it.cache_queries,
+                    it.cache_hits,
                 )
             )
 
@@ -296,6 +300,21 @@ def format_table(summary: Mapping[str, Any]) -> str:
             f"decode-only), mean {_fmt(_get(it, ('duration_s', 'mean')) * 1e3)} ms, "
             f"busy {_fmt(it.get('busy_fraction'), 3)}"
         )
+    pc = summary.get("prefix_cache") or {}
+    if pc.get("queries"):
+        line = (
+            f"prefix cache: {pc['hits']}/{pc['queries']} prompt tokens hit "
+            f"({_fmt(100 * pc['hit_rate'], 1)} %)"
+        )
+        if pc.get("preempted_queries"):
+            line += (
+                f", after preemption {pc['preempted_hits']}/{pc['preempted_queries']} "
+                f"({_fmt(100 * pc['preempted_hit_rate'], 1)} %)"
+            )
+        ideal = (summary.get("workload") or {}).get("prefix_sharing", {}).get("ideal_hit_rate")
+        if ideal is not None:
+            line += f"; the trace's ideal (infinite cache): {_fmt(100 * ideal, 1)} %"
+        text.append(line)
     for err in summary.get("errors", [])[:3]:
         text.append(f"error: {err}")
     return "\n".join(text)

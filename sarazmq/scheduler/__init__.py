@@ -1,7 +1,9 @@
 """The scheduler process's room: pure, socket-free scheduling.
 
 - `request.Request`: one request's scheduling state.
-- `block_manager.BlockManager`: paged KV block accounting.
+- `block_manager.BlockManager`: paged KV block accounting, with automatic prefix caching
+  (`prefix_cache`: the chained SHA-256 block keys and the hit counters;
+  docs/PREFIX_CACHING.md).
 - `policies`: Sarathi-Serve's stall-free hybrid batches and its four baselines.
 - `scheduler.Scheduler`: requests, the pool and the policy; builds each iteration's
   `BatchPlan` diff (`build_scheduler` is the one way to build it from a config).

@@ -13,7 +13,10 @@ Shared rules:
   FRONT of waiting), possibly itself, until it fits. Decodes never see the watermark.
 - Admission is FCFS from the head of waiting (no skipping): the request's whole
   prefill (prompt, plus outputs after a preemption) must fit in free blocks while
-  leaving the watermark, and fewer than max_num_seqs may be running. The watermark is
+  leaving the watermark (prefix-cache hits are shared, not allocated; a hit on a free
+  cached block still takes it out of the free pool). Only the uncached tokens are
+  computed and count against the token budget, and fewer than max_num_seqs may be
+  running. The watermark is
   waived when nothing at all is running (every block is free then), so a request that
   fits the pool can always start.
 - No admission in an iteration that preempted: the victims are at the head of
@@ -161,21 +164,27 @@ class Policy(abc.ABC):
                 break
             req = ctx.waiting[0]
             total = req.num_tokens  # prompt (+ outputs after a preemption)
-            if whole and budget is not None and total > budget:
+            # prefix cache: whole leading blocks already computed (at most total - 1)
+            hits = ctx.blocks.find_cached_blocks(req)
+            cached = len(hits) * ctx.blocks.block_size
+            to_compute = total - cached
+            if whole and budget is not None and to_compute > budget:
                 break
             watermark = ctx.watermark_blocks if ctx.running else 0
-            if not ctx.blocks.can_allocate(total, watermark):
+            if not ctx.blocks.can_allocate_with_hits(total, hits, watermark):
                 break
             ctx.waiting.popleft()
-            new = ctx.blocks.allocate(req, total)
+            ctx.blocks.allocate_with_hits(req, hits, total)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = cached
+            req.num_cached_tokens = cached
             req.num_prefill_tokens = total
             ctx.running.append(req)
             out.admitted.append(req)
-            if new:
-                out.new_blocks[req.seq_id] = new
-            n = total if budget is None else min(total, budget)
+            if req.block_ids:
+                # the worker learns the whole table, shared cached blocks included
+                out.new_blocks[req.seq_id] = list(req.block_ids)
+            n = to_compute if budget is None else min(to_compute, budget)
             out.prefills.append((req, n))
             if budget is not None:
                 budget -= n

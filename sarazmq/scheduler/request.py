@@ -31,6 +31,12 @@ class Request:
       prompt + outputs so far after a recompute preemption. Set at (re-)admission.
     - `num_sent_tokens`: how many of `all_token_ids` the workers know (the plan diff
       sends only the rest). 0 while the workers hold no state for this sequence.
+    - `num_cached_tokens`: tokens found in the prefix cache at the last admission (the
+      prefill starts there).
+
+    Prefix-cache bookkeeping (the block manager's): `block_keys` (keys of the full
+    blocks hashed so far), `num_keyed_blocks` (leading blocks already keyed or hit),
+    `cache_parent` ((block id, generation) the next keyed block chains to).
     """
 
     __slots__ = (
@@ -52,6 +58,10 @@ class Request:
         "arrival_time",
         "first_scheduled_time",
         "token_times",
+        "num_cached_tokens",
+        "block_keys",
+        "num_keyed_blocks",
+        "cache_parent",
     )
 
     def __init__(
@@ -87,6 +97,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         # iteration-end time of each output token (parallel to output_token_ids)
         self.token_times: list[float] = []
+        self.num_cached_tokens = 0
+        self.block_keys: list[bytes] = []
+        self.num_keyed_blocks = 0
+        self.cache_parent: tuple[int, int] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -126,6 +140,15 @@ class Request:
         if pos >= n:
             return self.output_token_ids[pos - n :]
         return self.prompt_token_ids[pos:] + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     def __repr__(self) -> str:
         return (

@@ -9,7 +9,9 @@ plans. Protocol, exactly one plan in flight:
 
 Worker contract for a `BatchPlan` (the diff): first forget every seq in
 `freed_seq_ids`, then create every `new_seqs` entry (token_ids = all tokens known,
-empty block table, nothing computed), then for each `scheduled` entry append
+empty block table, its first `num_cached_tokens` positions computed: their KV is in
+the shared prefix-cache blocks that lead its first `new_block_ids`), then for each
+`scheduled` entry append
 `append_token_ids` to the seq's tokens and `new_block_ids` to its block table and
 compute positions [start_pos, start_pos + num_tokens); if `sample`, the last one
 yields the seq's next token. `scheduled` lists decodes first, then prefill chunks
@@ -42,6 +44,7 @@ from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.block_manager import BlockManager
 from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
+from sarazmq.scheduler.prefix_cache import BlockHashFn, PrefixCacheCounters, sha256_block_key
 from sarazmq.scheduler.request import Request, RequestStatus
 from sarazmq.scheduler.stats import MAX_ITERATION_RECORDS, IterationRecord, SchedulerStats
 from sarazmq.validation import InvalidRequestError, check_prompt_token_ids
@@ -60,10 +63,15 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         *,
         seed: int | None = None,
+        enable_prefix_caching: bool = False,
+        block_hash_fn: BlockHashFn = sha256_block_key,
     ) -> None:
         """seed: if given, the per-request seeds drawn for requests without
         params.seed come from a generator seeded with it (reproducible runs);
-        otherwise from OS entropy."""
+        otherwise from OS entropy.
+        enable_prefix_caching: reuse the KV of shared prompt prefixes (see
+        `BlockManager`); off here by default, on by default in `CacheConfig`.
+        block_hash_fn: the prefix cache's block key (tests pass a colliding stub)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be >= 1")
         self.config = config
@@ -71,7 +79,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
-        self.blocks = BlockManager(block_size, num_blocks)
+        self.blocks = BlockManager(
+            block_size, num_blocks, enable_caching=enable_prefix_caching, hash_fn=block_hash_fn
+        )
+        self.prefix_cache = PrefixCacheCounters()
         self.policy = make_policy(config, max_model_len)
         self._rng = random.Random(seed)
         self._watermark_blocks = int(config.watermark * num_blocks)
@@ -85,6 +96,7 @@ class Scheduler:
         self._inflight_reqs: dict[int, Request] = {}
         self._inflight_start = 0.0
         self._inflight_preempted = 0
+        self._inflight_cache = PrefixCacheCounters()
         self._pending_freed: list[int] = []
         self._pending_deltas: list[RequestDelta] = []
         self._num_preemptions = 0
@@ -177,6 +189,7 @@ class Scheduler:
         return self._inflight is not None
 
     def stats(self) -> SchedulerStats:
+        pc = self.prefix_cache
         return SchedulerStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
@@ -185,7 +198,23 @@ class Scheduler:
             num_iterations=self._num_iterations,
             num_preemptions=self._num_preemptions,
             num_finished=self._num_finished,
+            prefix_caching=self.blocks.enable_caching,
+            num_cached_blocks=self.blocks.num_cached_blocks,
+            num_evictions=self.blocks.num_evictions,
+            prefix_cache_requests=pc.requests,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            prefix_cache_preempted_requests=pc.preempted_requests,
+            prefix_cache_preempted_queries=pc.preempted_queries,
+            prefix_cache_preempted_hits=pc.preempted_hits,
         )
+
+    def reset_prefix_cache(self) -> tuple[bool, str]:
+        """Forgets every cached block key. Refused, (False, why), while any request
+        holds KV blocks (running, or a plan in flight): reset an idle engine."""
+        if self._inflight is not None:
+            return False, "a plan is in flight; reset_prefix_cache needs an idle engine"
+        return self.blocks.reset_cache()
 
     def iterations_since(self, step: int) -> list[IterationRecord]:
         """Iteration records with step >= `step` (the most recent ones are kept)."""
@@ -228,6 +257,7 @@ class Scheduler:
             return None
 
         new_seqs: list[NewSeq] = []
+        cache_step = PrefixCacheCounters()  # this iteration's admissions
         for req in decision.admitted:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = start
@@ -239,7 +269,14 @@ class Scheduler:
                     num_prompt_tokens=req.num_prompt_tokens,
                     params=req.params,
                     seed=req.seed,
+                    num_cached_tokens=req.num_cached_tokens,
                 )
+            )
+            self.prefix_cache.record(
+                req.num_prefill_tokens, req.num_cached_tokens, req.num_preemptions > 0
+            )
+            cache_step.record(
+                req.num_prefill_tokens, req.num_cached_tokens, req.num_preemptions > 0
             )
             req.num_sent_tokens = len(tokens)
             req.on_worker = True
@@ -275,6 +312,7 @@ class Scheduler:
         self._inflight_reqs = inflight_reqs
         self._inflight_start = start
         self._inflight_preempted = num_preempted
+        self._inflight_cache = cache_step
         return plan
 
     def process_result(self, result: StepResult) -> list[RequestDelta]:
@@ -325,6 +363,7 @@ class Scheduler:
             if req.is_finished:
                 continue  # aborted / stopped while the step ran
             req.num_computed_tokens += s.num_tokens
+            self.blocks.cache_full_blocks(req)  # its KV is written now: reusable
             if not s.sample:
                 continue
             i = sampled[s.seq_id]
@@ -353,6 +392,10 @@ class Scheduler:
                 num_decode_seqs=num_decode_seqs,
                 num_preempted=self._inflight_preempted,
                 forward_s=result.forward_s,
+                cache_queries=self._inflight_cache.queries,
+                cache_hits=self._inflight_cache.hits,
+                preempted_cache_queries=self._inflight_cache.preempted_queries,
+                preempted_cache_hits=self._inflight_cache.preempted_hits,
             )
         )
         self._inflight = None
@@ -439,4 +482,5 @@ def build_scheduler(
         eos_token_ids=model_config.eos_token_ids,
         clock=clock,
         seed=config.seed,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
     )

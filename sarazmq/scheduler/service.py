@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from sarazmq.protocol.client import OutputDelta
-from sarazmq.protocol.common import FINISH_ERROR
+from sarazmq.protocol.common import ERROR_INVALID, ERROR_OVERLOADED, FINISH_ERROR
 from sarazmq.protocol.engine import (
     Abort,
     AddRequest,
@@ -21,6 +21,7 @@ from sarazmq.protocol.engine import (
     DetokenizerAdd,
     OutputBatch,
     RequestDelta,
+    ResetPrefixCache,
     SchedulerInbound,
     StatsAnswer,
     StatsQuery,
@@ -56,10 +57,21 @@ class SchedulerService:
         self.deferred: list[SchedulerInbound] = []
 
     def on_inbound(self, msg: SchedulerInbound, acts: SchedulerActions) -> None:
-        if self.in_flight is not None and isinstance(msg, (Abort, StopStringHit)):
+        if self.in_flight is not None and isinstance(msg, (Abort, StopStringHit, ResetPrefixCache)):
             self.deferred.append(msg)
             return
         if isinstance(msg, AddRequest):
+            max_waiting = self.scheduler.config.max_waiting
+            if max_waiting and len(self.scheduler.waiting) >= max_waiting:
+                reply = OutputDelta(
+                    request_id=msg.request_id,
+                    finish_reason=FINISH_ERROR,
+                    error=f"overloaded: {len(self.scheduler.waiting)} requests are already "
+                    f"waiting (max_waiting={max_waiting}); retry later",
+                    error_type=ERROR_OVERLOADED,
+                )
+                acts.to_frontend.append(OutputBatch([reply]))
+                return
             try:
                 self.scheduler.add_request(
                     msg.request_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time
@@ -70,6 +82,7 @@ class SchedulerService:
                     finish_reason=FINISH_ERROR,
                     error=e.message,
                     error_field=e.field,
+                    error_type=ERROR_INVALID,
                 )
                 acts.to_frontend.append(OutputBatch([reply]))
                 return
@@ -81,6 +94,9 @@ class SchedulerService:
             self.scheduler.abort(msg.request_id)
         elif isinstance(msg, StopStringHit):
             self.scheduler.finish_by_stop_string(msg.request_id)
+        elif isinstance(msg, ResetPrefixCache):
+            ok, why = self.scheduler.reset_prefix_cache()
+            acts.to_frontend.append(StatsAnswer(msg.request_id, {"reset": ok, "error": why}))
         elif isinstance(msg, StatsQuery):
             acts.to_frontend.append(StatsAnswer(msg.request_id, self.stats(msg.iterations_from)))
         self._route(self.scheduler.drain_finished(), acts)

@@ -12,6 +12,9 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
 
     start: scheduler clock when the plan was built; end: when its result was processed.
     forward_s: the worker's own forward time from the StepResult.
+    cache_queries / cache_hits: prompt tokens of the requests first admitted in this
+    iteration / how many of them the prefix cache held; preempted_cache_*: the same for
+    re-admissions after a preemption.
     """
 
     step: int
@@ -24,10 +27,20 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     num_decode_seqs: int
     num_preempted: int = 0
     forward_s: float = 0.0
+    cache_queries: int = 0
+    cache_hits: int = 0
+    preempted_cache_queries: int = 0
+    preempted_cache_hits: int = 0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Point-in-time counters."""
+    """Point-in-time counters.
+
+    Prefix cache (tokens, cumulative; see `prefix_cache.PrefixCacheCounters`):
+    prefix_cache_queries / _hits at first admissions, prefix_cache_preempted_* at
+    re-admissions after a recompute preemption. num_cached_blocks: blocks holding a key
+    now; num_evictions: cached blocks handed out for new contents so far.
+    """
 
     num_waiting: int
     num_running: int
@@ -36,3 +49,19 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_iterations: int
     num_preemptions: int
     num_finished: int = 0
+    prefix_caching: bool = False
+    num_cached_blocks: int = 0
+    num_evictions: int = 0
+    prefix_cache_requests: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_preempted_requests: int = 0
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """hits / queries over first admissions (0 when there were none)."""
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )

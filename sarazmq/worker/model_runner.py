@@ -51,7 +51,7 @@ class ModelRunner:
         # None on non-driver tensor-parallel ranks: they compute but never sample
         self.sampler = sampler
         self.device = device
-        self.seqs: dict[int, SeqState] = {}
+        self._seqs: dict[int, SeqState] = {}
         # float32 logits destination reused across steps (see LlamaForCausalLM.compute_logits)
         self._logits_buf: torch.Tensor | None = None
 
@@ -59,13 +59,14 @@ class ModelRunner:
         """Applies the plan's diff to the sequence states, runs the batch, samples."""
         t0 = time.perf_counter()
         for seq_id in plan.freed_seq_ids:
-            self.seqs.pop(seq_id, None)
+            self._seqs.pop(seq_id, None)
         for new in plan.new_seqs:
-            self.seqs[new.seq_id] = SeqState(
+            self._seqs[new.seq_id] = SeqState(
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 params=new.params,
                 seed=new.seed,
+                num_computed=new.num_cached_tokens,  # prefix-cache hit: KV already there
             )
         if not plan.scheduled:
             return StepResult(step=plan.step)
@@ -82,7 +83,7 @@ class ModelRunner:
         # are computed with tensor ops in AttentionMetadata.build
         for i in order:
             item = plan.scheduled[i]
-            state = self.seqs.get(item.seq_id)
+            state = self._seqs.get(item.seq_id)
             if state is None:
                 raise PlanError(f"step {plan.step}: unknown seq_id {item.seq_id}")
             if item.start_pos != state.num_computed:
@@ -123,7 +124,7 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden.index_select(0, rows), self._logits_out(len(sample_rows))
             )  # [N, vocab]
-            seqs = [self._sampling_seq(self.seqs[s]) for s in sample_seq_ids]
+            seqs = [self._sampling_seq(self._seqs[s]) for s in sample_seq_ids]
             token_ids, logprobs = self.sampler.sample(logits, seqs)
         return StepResult(
             step=plan.step,
@@ -132,6 +133,36 @@ class ModelRunner:
             logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
             forward_s=time.perf_counter() - t0,
         )
+
+    def sequence_ids(self) -> list[int]:
+        """Ids of the sequences this runner holds state for, in arrival order."""
+        return list(self._seqs)
+
+    def sequence(self, seq_id: int) -> SeqState:
+        """The state this runner holds for `seq_id` (read it, do not change it: the plans
+        do; benchmarks use `assume_computed`). KeyError for an unknown id."""
+        return self._seqs[seq_id]
+
+    def assume_computed(self, seq_id: int, num_computed: int, block_ids: list[int]) -> None:
+        """Declares a sequence's first `num_computed` positions computed, their KV in
+        `block_ids` (its whole block table), whatever the cache holds there: for
+        benchmarks that time steps at a long context without prefilling it first.
+        ValueError for an unknown id, a count outside its tokens or too few blocks."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise ValueError(f"assume_computed: unknown seq_id {seq_id}")
+        if not 0 <= num_computed <= len(state.token_ids):
+            raise ValueError(
+                f"assume_computed: num_computed={num_computed} outside the sequence's "
+                f"{len(state.token_ids)} tokens"
+            )
+        if len(block_ids) * self.block_size < num_computed:
+            raise ValueError(
+                f"assume_computed: {len(block_ids)} blocks of {self.block_size} tokens cannot "
+                f"hold {num_computed} positions"
+            )
+        state.block_ids = list(block_ids)
+        state.num_computed = num_computed
 
     def _logits_out(self, rows: int) -> torch.Tensor:
         """A float32 [rows, vocab] view of the reused logits buffer (grown as needed)."""
