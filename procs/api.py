@@ -30,10 +30,9 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
     if dep.http_port is None:
         raise ValueError("the api process needs DeploymentConfig.http_port")
     tokenizer = load_tokenizer(resolve_model(spec.config.model))
-    # SIGTERM (from the launcher) cancels the server; run_process then exits 0
-    main = asyncio.current_task()
-    if main is not None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+    # SIGTERM (from the launcher, after the drain) stops the server gracefully
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     url = f"http://{dep.http_host}:{dep.http_port}"
     await serve_http(
         api_config(spec),
@@ -41,6 +40,7 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
         tokenizer,
         on_listening=lambda: ready(url=url),
         log_level=dep.log_level,
+        stop=stop,
     )
 
 

@@ -4,7 +4,8 @@
 # weights (the default GGUF; vLLM loads its bf16 safetensors conversion), the same dtype
 # and the same token budget (vLLM's --max-num-batched-tokens = our --chunk-size). Then
 # `sarazmq replay-diff` tables. Needs ../shared/peers/vllm/setup.sh run first; run it on a
-# quiet machine (nothing else running), it takes ~30 minutes.
+# quiet machine (nothing else running), it takes ~15 minutes. The windows are fitted so
+# the offered load (~450 prompt tok/s, bursty) is about half what either server takes.
 #   OUT=peer_out CHUNK=256 REQUESTS=200 bash scripts/peer_vllm.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,8 +21,8 @@ mkdir -p "$OUT"
 
 # name | trace | fitting flags
 workloads=(
-  "azure_code|$traces/azure_llm_2023_code.csv|--start 200 --max-requests $REQUESTS --max-input-tokens 512 --max-output-tokens 16 --time-scale 6"
-  "azure_conv|$traces/azure_llm_2023_conv.csv|--start 100 --max-requests $REQUESTS --max-input-tokens 512 --max-output-tokens 24 --time-scale 4"
+  "azure_code|$traces/azure_llm_2023_code.csv|--start 200 --max-requests $REQUESTS --max-input-tokens 256 --max-output-tokens 16 --time-scale 4"
+  "azure_conv|$traces/azure_llm_2023_conv.csv|--start 100 --max-requests $REQUESTS --max-input-tokens 256 --max-output-tokens 24 --time-scale 2.5"
 )
 
 replay() {  # replay NAME TRACE FLAGS URL MODEL DIR

@@ -16,6 +16,9 @@ from sarazmq.procs.endpoints import check_http_bind
 
 log = logging.getLogger("sarazmq.api")
 
+#: seconds in-flight HTTP responses get to finish when the server is asked to stop
+SHUTDOWN_GRACE_S = 2.0
+
 
 @dataclass(frozen=True)
 class HTTPBind:
@@ -46,8 +49,11 @@ async def serve_http(
     tokenizer: Any,
     on_listening: Callable[[], None] | None = None,
     log_level: str = "warning",
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serves until cancelled; `on_listening` runs once the socket accepts connections."""
+    """Serves until `stop` is set (then shuts down gracefully: in-flight responses get
+    `SHUTDOWN_GRACE_S`) or until cancelled; `on_listening` runs once the socket accepts
+    connections."""
     check_http_bind(bind.host, config.api_key)
     app = OpenAIServer(config, token_text_function(tokenizer)).app()
     uv_config = uvicorn.Config(
@@ -60,6 +66,7 @@ async def serve_http(
         # no server header, a short keep-alive: many short benchmark connections
         server_header=False,
         timeout_keep_alive=30,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     server = uvicorn.Server(uv_config)
     # the process handles signals itself (the launcher's SIGTERM cancels the serving task)
@@ -73,6 +80,11 @@ async def serve_http(
             await asyncio.sleep(0.05)
         if on_listening is not None:
             on_listening()
+        if stop is not None:
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            server.should_exit = True
         await task
     finally:
         server.should_exit = True

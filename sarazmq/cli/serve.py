@@ -225,9 +225,14 @@ def api(
         click.echo(f"sarazmq api: OpenAI API at http://{http_host}:{port}/v1 for {connect}")
         sys.stdout.flush()
 
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_http(config, HTTPBind(http_host, port), tokenizer, listening, log_level, stop)
+
     try:
-        asyncio.run(serve_http(config, HTTPBind(http_host, port), tokenizer, listening, log_level))
-    except KeyboardInterrupt:
-        pass
+        asyncio.run(run())
     except OSError as e:
         raise click.ClickException(f"cannot serve on {http_host}:{port}: {e}") from None
