@@ -145,6 +145,12 @@ def _iteration_samples(raw: Sequence[dict[str, Any]], step_from: int) -> list[It
                 cache_hits=int(it.get("cache_hits", 0)),
                 preempted_cache_queries=int(it.get("preempted_cache_queries", 0)),
                 preempted_cache_hits=int(it.get("preempted_cache_hits", 0)),
+                num_prefill_seqs=int(it.get("num_prefill_seqs", 0)),
+                prefill_attention_pairs=int(it.get("prefill_attention_pairs", 0)),
+                num_decode_seqs=int(it.get("num_decode_seqs", 0)),
+                decode_context_tokens=int(it.get("decode_context_tokens", 0)),
+                num_sampled=int(it.get("num_sampled", 0)),
+                forward_s=float(it.get("forward_s", 0.0)),
             )
         )
     return out

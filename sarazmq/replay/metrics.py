@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from sarazmq.perf.shape import IterationShape
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -73,6 +75,8 @@ class IterationSample:
     cache_queries / cache_hits: prompt tokens of the requests first admitted in it and
     how many of them came from the prefix cache; preempted_cache_*: the same for
     re-admissions after a preemption (the scheduler's `IterationRecord`).
+    num_prefill_seqs ... num_sampled: the rest of its `IterationShape`; forward_s: the
+    worker's own forward time.
     """
 
     step: int
@@ -85,10 +89,27 @@ class IterationSample:
     cache_hits: int = 0
     preempted_cache_queries: int = 0
     preempted_cache_hits: int = 0
+    num_prefill_seqs: int = 0
+    prefill_attention_pairs: int = 0
+    num_decode_seqs: int = 0
+    decode_context_tokens: int = 0
+    num_sampled: int = 0
+    forward_s: float = 0.0
 
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
+
+    def shape(self) -> IterationShape:
+        """The iteration's shape (what the latency model predicts from)."""
+        return IterationShape(
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_prefill_seqs=self.num_prefill_seqs,
+            prefill_attention_pairs=self.prefill_attention_pairs,
+            num_decode_seqs=self.num_decode_seqs,
+            decode_context_tokens=self.decode_context_tokens,
+            num_sampled=self.num_sampled,
+        )
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,12 @@ ITERATION_COLUMNS = (
     "num_seqs",
     "cache_queries",
     "cache_hits",
+    "num_prefill_seqs",
+    "prefill_attention_pairs",
+    "num_decode_seqs",
+    "decode_context_tokens",
+    "num_sampled",
+    "forward_s",
 )
 
 
@@ -212,6 +218,12 @@ def write_iterations_csv(path: Path, iterations: Sequence[IterationSample], t0: 
                     it.num_seqs,
                     it.cache_queries,
                     it.cache_hits,
+                    it.num_prefill_seqs,
+                    it.prefill_attention_pairs,
+                    it.num_decode_seqs,
+                    it.decode_context_tokens,
+                    it.num_sampled,
+                    it.forward_s,
                 )
             )
 

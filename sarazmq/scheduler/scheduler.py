@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 
 from sarazmq.config import EngineConfig, ModelConfig, SchedulerConfig
+from sarazmq.perf.shape import IterationShape, shape_of_plan
 from sarazmq.protocol.common import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -97,6 +98,7 @@ class Scheduler:
         self._inflight_start = 0.0
         self._inflight_preempted = 0
         self._inflight_cache = PrefixCacheCounters()
+        self._inflight_shape = IterationShape()
         self._pending_freed: list[int] = []
         self._pending_deltas: list[RequestDelta] = []
         self._num_preemptions = 0
@@ -187,6 +189,11 @@ class Scheduler:
     @property
     def inflight(self) -> bool:
         return self._inflight is not None
+
+    @property
+    def inflight_shape(self) -> IterationShape:
+        """The shape of the plan in flight (of the last plan once its result is in)."""
+        return self._inflight_shape
 
     def stats(self) -> SchedulerStats:
         pc = self.prefix_cache
@@ -313,6 +320,7 @@ class Scheduler:
         self._inflight_start = start
         self._inflight_preempted = num_preempted
         self._inflight_cache = cache_step
+        self._inflight_shape = shape_of_plan(plan, len(decision.decodes))
         return plan
 
     def process_result(self, result: StepResult) -> list[RequestDelta]:
@@ -396,6 +404,9 @@ class Scheduler:
                 cache_hits=self._inflight_cache.hits,
                 preempted_cache_queries=self._inflight_cache.preempted_queries,
                 preempted_cache_hits=self._inflight_cache.preempted_hits,
+                prefill_attention_pairs=self._inflight_shape.prefill_attention_pairs,
+                decode_context_tokens=self._inflight_shape.decode_context_tokens,
+                num_sampled=self._inflight_shape.num_sampled,
             )
         )
         self._inflight = None

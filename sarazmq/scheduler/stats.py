@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from sarazmq.perf.shape import IterationShape
+
 MAX_ITERATION_RECORDS = 200_000
 
 
@@ -14,7 +16,8 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     forward_s: the worker's own forward time from the StepResult.
     cache_queries / cache_hits: prompt tokens of the requests first admitted in this
     iteration / how many of them the prefix cache held; preempted_cache_*: the same for
-    re-admissions after a preemption.
+    re-admissions after a preemption. prefill_attention_pairs / decode_context_tokens /
+    num_sampled: the rest of its `IterationShape`.
     """
 
     step: int
@@ -31,6 +34,20 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_hits: int = 0
     preempted_cache_queries: int = 0
     preempted_cache_hits: int = 0
+    prefill_attention_pairs: int = 0
+    decode_context_tokens: int = 0
+    num_sampled: int = 0
+
+    def shape(self) -> IterationShape:
+        """The iteration's shape (what the latency model predicts from)."""
+        return IterationShape(
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_prefill_seqs=self.num_prefill_seqs,
+            prefill_attention_pairs=self.prefill_attention_pairs,
+            num_decode_seqs=self.num_decode_seqs,
+            decode_context_tokens=self.decode_context_tokens,
+            num_sampled=self.num_sampled,
+        )
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
