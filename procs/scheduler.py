@@ -12,7 +12,7 @@ from sarazmq.procs.common import ProcSpec, run_process
 from sarazmq.procs.sockets import pull_socket, push_socket
 from sarazmq.protocol.engine import SchedulerInbound
 from sarazmq.protocol.worker import Shutdown, StepResult
-from sarazmq.scheduler.scheduler import build_scheduler
+from sarazmq.scheduler.build import build_scheduler
 from sarazmq.scheduler.service import SchedulerActions, SchedulerService
 
 

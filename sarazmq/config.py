@@ -6,6 +6,7 @@ children receive their config as msgpack bytes (never pickle).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,12 @@ class SchedulerConfig:
     max_model_len: longest prompt + output a request may reach (<= model context).
     max_waiting: most requests waiting for admission; a new request beyond it is refused
         as overloaded (HTTP 503), so a flood cannot queue without bound (0 = unbounded).
+    tbt_slo: time-between-tokens target in seconds (sarathi policy only; 0 = off). With
+        it each iteration's budget is the largest chunk whose predicted time fits the
+        running decodes' slack, and chunk_size is its upper bound (see
+        `sarazmq.scheduler.adaptive`).
+    latency_profile: a `sarazmq profile` JSON whose model seeds the budget's latency
+        model ("" = calibrate at startup with a few short internal requests).
     """
 
     policy: str = "sarathi"
@@ -92,6 +99,8 @@ class SchedulerConfig:
     watermark: float = 0.01
     max_model_len: int = 0
     max_waiting: int = 0
+    tbt_slo: float = 0.0
+    latency_profile: str = ""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -104,6 +113,15 @@ class SchedulerConfig:
             raise ValueError(f"watermark={self.watermark} must be in [0, 1)")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting={self.max_waiting} must be >= 0 (0 = unbounded)")
+        if not (self.tbt_slo >= 0 and math.isfinite(self.tbt_slo)):
+            raise ValueError(f"tbt_slo={self.tbt_slo} must be a finite number of seconds >= 0")
+        if self.tbt_slo and self.policy != "sarathi":
+            raise ValueError(
+                f"tbt_slo needs the sarathi policy (policy={self.policy!r} has no token budget "
+                "to adapt)"
+            )
+        if self.latency_profile and not self.tbt_slo:
+            raise ValueError("latency_profile is only used with tbt_slo > 0")
 
 
 @dataclass(frozen=True)
@@ -156,6 +174,8 @@ class EngineConfig:
         watermark: float = 0.01,
         max_waiting: int = 0,
         enable_prefix_caching: bool = True,
+        tbt_slo: float = 0.0,
+        latency_profile: str = "",
     ) -> EngineConfig:
         """The config from flat options: the one construction behind `LLM(...)` and every
         command's engine options (`scheduler` names the policy)."""
@@ -175,6 +195,8 @@ class EngineConfig:
                 watermark=watermark,
                 max_model_len=max_model_len,
                 max_waiting=max_waiting,
+                tbt_slo=tbt_slo,
+                latency_profile=latency_profile,
             ),
             cache=CacheConfig(
                 block_size=block_size,

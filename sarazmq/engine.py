@@ -22,7 +22,7 @@ from sarazmq.outputs import RequestOutput
 from sarazmq.protocol.common import FINISH_ERROR
 from sarazmq.resolve import resolve_engine_config
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler.scheduler import build_scheduler
+from sarazmq.scheduler.build import build_scheduler
 from sarazmq.validation import InvalidRequestError
 from sarazmq.worker.build import build_model_runner
 
@@ -122,34 +122,18 @@ class LLM:
         chunk_size: int = 256,
         max_num_seqs: int = 64,
         dtype: str = "float32",
-        *,
-        block_size: int = 16,
-        num_kv_blocks: int = 0,
-        max_model_len: int = 0,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        device: str = "auto",
-        num_threads: int = 0,
-        seed: int = 0,
-        watermark: float = 0.01,
-        enable_prefix_caching: bool = True,
+        **options: Any,
     ) -> None:
+        """options: any other keyword of `EngineConfig.from_options` (block_size,
+        num_kv_blocks, max_model_len, seed, enable_prefix_caching, tbt_slo, ...); an
+        unknown one is a TypeError naming it."""
         config = EngineConfig.from_options(
             model=model,
             scheduler=scheduler,
             chunk_size=chunk_size,
             max_num_seqs=max_num_seqs,
             dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_model_len=max_model_len,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            device=device,
-            num_threads=num_threads,
-            seed=seed,
-            watermark=watermark,
-            enable_prefix_caching=enable_prefix_caching,
+            **options,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

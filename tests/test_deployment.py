@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -224,6 +225,23 @@ def test_tp3_equals_tp1(reference) -> None:
     ):
         for p in PROMPTS[:4]:
             assert c.generate(p, GREEDY).token_ids == reference[p]
+
+
+def test_tbt_target_gives_the_fixed_chunk_outputs(reference) -> None:
+    """With --tbt-slo the chunk sizes change from iteration to iteration (and a startup
+    calibration runs first); greedy outputs must not: chunking changes nothing."""
+    cfg = dataclasses.replace(
+        small_config(),
+        scheduler=SchedulerConfig(
+            policy="sarathi", chunk_size=64, max_num_seqs=32, max_model_len=1024, tbt_slo=0.05
+        ),
+    )
+    with Deployment(cfg) as dep, Client(dep.endpoint) as c:
+        outs = [c.generate(p, GREEDY).token_ids for p in PROMPTS[:8]]
+        stats = c.stats()
+    assert outs == [reference[p] for p in PROMPTS[:8]]
+    assert stats["tbt_slo"] == 0.05 and not stats["calibrating"]
+    assert stats["latency_model_samples"] > 0 and stats["num_finished"] == 8
 
 
 def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -> None:

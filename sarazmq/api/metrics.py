@@ -42,6 +42,24 @@ class _SchedulerCollector(Collector):
             "num_requests_running": ("requests running on the engine", s.get("num_running")),
             "num_requests_waiting": ("requests waiting to be admitted", s.get("num_waiting")),
         }
+        if s.get("tbt_slo"):  # the adaptive budget (--tbt-slo) and its latency model
+            gauges.update(
+                {
+                    "tbt_slo_seconds": ("time-between-tokens target", s.get("tbt_slo")),
+                    "latency_model_mape": (
+                        "iteration-time model: mean abs error / measured time, out of sample",
+                        s.get("latency_model_mape", 0.0),
+                    ),
+                    "latency_model_p95_error": (
+                        "iteration-time model: P95 of abs error / measured time",
+                        s.get("latency_model_p95_error", 0.0),
+                    ),
+                    "budget_mean_chunk_tokens": (
+                        "mean prefill chunk of iterations with decodes running",
+                        s.get("budget_mean_chunk", 0.0),
+                    ),
+                }
+            )
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             if value is not None:

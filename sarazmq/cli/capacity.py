@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,15 @@ import click
 
 from sarazmq.cli.options import engine_config, engine_options
 from sarazmq.cli.runs import engine_line, run_settings, run_workload
+from sarazmq.cli.sim_capacity import SimProbes
+from sarazmq.cli.sim_options import latency_source_options
 from sarazmq.cli.workload_options import (
     TRACE_HELP,
     parse_policies,
     prepare_workload,
     workload_options,
 )
-from sarazmq.config import DeploymentConfig
+from sarazmq.config import DeploymentConfig, EngineConfig
 from sarazmq.replay.capacity import (
     CAPACITY_JSON,
     CAPACITY_TXT,
@@ -44,6 +47,8 @@ bisection until the bracket is within --rel-tol, at most --max-probes replays pe
 policy. Each policy gets one fresh deployment (--scheduler is ignored; use --policies),
 reused across its probes. Writes capacity.json/.txt (capacity per policy and the ratio
 to --baseline) and every probe's run under --output-dir/POLICY/qps-RATE/.
+With --simulate no deployment is started: every probe is a `sarazmq simulate` run
+(--profile, or --gpu and --arch with --tp; no plots are written per probe).
 
 """
     + TRACE_HELP
@@ -90,6 +95,26 @@ def _probe_runner(
     return run_at_qps
 
 
+@contextlib.contextmanager
+def _probes(
+    sim: SimProbes | None,
+    config: EngineConfig | None,
+    spec: WorkloadSpec,
+    kw: Mapping[str, Any],
+    policy: str,
+    out_dir: Path,
+) -> Iterator[Callable[[float], dict[str, Any]]]:
+    """One policy's run_at_qps: simulated, or on a deployment of `config` started for its
+    probes (or the one at --connect)."""
+    if sim is not None:
+        yield sim.runner(spec, kw, policy, out_dir)
+        return
+    with target(
+        kw["connect"], config, DeploymentConfig(num_detokenizers=kw["num_detokenizers"])
+    ) as (endpoint, engine):
+        yield _probe_runner(spec, endpoint, engine, kw, policy, out_dir)
+
+
 @click.command(help=_CAPACITY_HELP)
 @click.argument("trace")
 @workload_options(retime=False)
@@ -122,6 +147,12 @@ def _probe_runner(
     help="stop when the bracket is this tight",
 )
 @click.option("--growth", type=float, default=2.0, show_default=True)
+@click.option(
+    "--simulate",
+    is_flag=True,
+    help="simulate every probe (real scheduler, simulated time) instead of a deployment",
+)
+@latency_source_options(tp=False)
 @engine_options
 def capacity(trace: str, **kw: Any) -> None:
     """Search each policy's capacity on TRACE (help text: _CAPACITY_HELP)."""
@@ -135,20 +166,29 @@ def capacity(trace: str, **kw: Any) -> None:
     if baseline is not None and baseline not in policies:
         raise click.BadParameter(f"{baseline!r} is not among {policies}", param_hint="--baseline")
     kw = {**kw, "qps": kw["lo_qps"]}  # a valid rate for the header; each probe sets its own
-    spec, _, info = prepare_workload(trace, kw)
+    if not kw["simulate"] and (kw["profile"] or kw["gpu"] or kw["arch"]):
+        raise click.BadParameter("--profile/--gpu/--arch need --simulate", param_hint="--simulate")
+    sim = SimProbes(kw) if kw["simulate"] else None
+    if sim is not None:
+        kw = sim.workload_kw(kw)
+    spec, requests, info = prepare_workload(trace, kw)
     click.echo(format_header(info))
     click.echo("(arrival times above are at --lo-qps; each probe re-times them at its rate)")
     out_dir = Path(kw["output_dir"])
+    if sim is not None:
+        sim.set_workload(kw, requests)
     results: dict[str, CapacityResult] = {}
     for policy in policies:
         run_kw = {**kw, "scheduler": policy}
-        click.echo(engine_line(run_kw, policy) if not kw["connect"] else f"target: {kw['connect']}")
-        config = None if kw["connect"] else engine_config(run_kw)
+        if sim is not None:
+            click.echo(sim.engine_line(run_kw, policy))
+        else:
+            click.echo(
+                engine_line(run_kw, policy) if not kw["connect"] else f"target: {kw['connect']}"
+            )
+        config = None if kw["connect"] or sim else engine_config(run_kw)
         try:
-            with target(
-                kw["connect"], config, DeploymentConfig(num_detokenizers=kw["num_detokenizers"])
-            ) as (endpoint, engine):
-                run_at_qps = _probe_runner(spec, endpoint, engine, kw, policy, out_dir)
+            with _probes(sim, config, spec, kw, policy, out_dir) as run_at_qps:
                 result = find_capacity(
                     run_at_qps,
                     kw["slo_tbt"],

@@ -94,6 +94,21 @@ engine_options = stack(
         help="torch threads per worker (0 = cores / tp)",
     ),
     click.option(
+        "--tbt-slo",
+        type=float,
+        default=0.0,
+        show_default=True,
+        help="time-between-tokens target (s): each iteration's chunk is the largest whose "
+        "predicted time fits the decodes' slack; --chunk-size is its upper bound (sarathi; "
+        "0 = fixed chunk)",
+    ),
+    click.option(
+        "--latency-profile",
+        default="",
+        help="with --tbt-slo: a `sarazmq profile` JSON to seed the latency model (default: "
+        "calibrate at startup)",
+    ),
+    click.option(
         "--max-waiting",
         default=0,
         show_default=True,

@@ -9,7 +9,14 @@ from typing import Any
 import click
 
 from sarazmq.cli.options import engine_config, engine_options
-from sarazmq.cli.runs import check_fit, engine_line, run_settings, run_workload
+from sarazmq.cli.runs import (
+    adaptive_line,
+    adaptive_summary,
+    check_fit,
+    engine_line,
+    run_settings,
+    run_workload,
+)
 from sarazmq.cli.workload_options import (
     TRACE_HELP,
     parse_policies,
@@ -110,6 +117,9 @@ def replay(trace: str, **kw: Any) -> None:
         except Exception as e:  # noqa: BLE001 - a failed deployment ends the command cleanly
             raise click.ClickException(f"{policy}: {type(e).__name__}: {e}") from None
         summary = summarize(out.records, out.iterations, kw["slo_ttft"], kw["slo_tbt"])
+        budget = adaptive_summary(out.settings)
+        if budget is not None:
+            summary["adaptive_budget"] = budget
         run_dir = out_dir / policy if comparing else out_dir
         write_run(
             run_dir,
@@ -122,6 +132,8 @@ def replay(trace: str, **kw: Any) -> None:
         if comparing:
             click.echo(f"--- {policy}")
         click.echo(format_table(summary))
+        if budget is not None:
+            click.echo(adaptive_line(budget))
         click.echo(f"wrote {run_dir}/")
         summaries[policy] = summary
         records[policy] = out.records

@@ -22,6 +22,7 @@ def engine_line(kw: Mapping[str, Any], policy: str) -> str:
         f"max_num_seqs: {kw['max_num_seqs']}  dtype: {kw['dtype']}  "
         f"tp: {kw['tensor_parallel_size']}  "
         f"kv blocks: {kw['num_kv_blocks'] or 'auto'}  max_model_len: {kw['max_model_len'] or 'auto'}"
+        + (f"  tbt-slo: {kw['tbt_slo']} s (chunk = upper bound)" if kw.get("tbt_slo") else "")
     )
 
 
@@ -86,3 +87,31 @@ def run_settings(out: ReplayOutcome, engine: Mapping[str, Any]) -> dict[str, Any
         "wall_s": out.wall_s,
         "max_send_lag_s": out.max_send_lag_s,
     }
+
+
+def adaptive_summary(settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The adaptive budget's figures at the end of a run (None without --tbt-slo): the
+    target, the latency model's out-of-sample error and margin, the mean chunk."""
+    end = settings.get("server_stats_at_end") or {}
+    if not end.get("tbt_slo"):
+        return None
+    keys = (
+        "tbt_slo",
+        "latency_model_samples",
+        "latency_model_mape",
+        "latency_model_p95_error",
+        "latency_model_margin",
+        "budget_mean_chunk",
+        "budget_limited_iterations",
+        "budget_min_chunk_iterations",
+    )
+    return {k: end.get(k, 0) for k in keys}
+
+
+def adaptive_line(budget: Mapping[str, Any]) -> str:
+    return (
+        f"adaptive budget: TBT target {budget['tbt_slo'] * 1e3:.0f} ms, mean chunk "
+        f"{budget['budget_mean_chunk']:.0f} tokens, latency model error MAPE "
+        f"{budget['latency_model_mape'] * 100:.1f} % / P95 {budget['latency_model_p95_error'] * 100:.1f} % "
+        f"over {budget['latency_model_samples']} iterations (margin {budget['latency_model_margin']:.2f})"
+    )

@@ -281,6 +281,7 @@ async def replay_detailed(
     settings = {
         "endpoint": endpoint,
         "server_stats_at_start": {k: v for k, v in stats0.items() if k != "iterations"},
+        "server_stats_at_end": {k: v for k, v in stats1.items() if k != "iterations"},
         "concurrency_limit": concurrency_limit,
         "temperature": temperature,
         "seed": seed,

@@ -236,11 +236,13 @@ def write_run(
     *,
     workload: Mapping[str, Any] | None = None,
     settings: Mapping[str, Any] | None = None,
+    plots: bool = True,
 ) -> dict[str, Path]:
     """Write summary.json (the summary plus `workload` and engine `settings`),
     requests.csv, iterations.csv, records.jsonl (every request's record, token times
-    included, for `read_records`) and the four PNG plots into `output_dir` (created if
-    missing). Returns the written paths by short name."""
+    included, for `read_records`) and the four PNG plots (unless `plots` is False: they
+    take about a minute for millions of tokens) into `output_dir` (created if missing).
+    Returns the written paths by short name."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = _t0(records, iterations)
@@ -263,6 +265,8 @@ def write_run(
     with paths["records"].open("w") as f:
         for r in records:
             f.write(json.dumps(dataclasses.asdict(r), allow_nan=False) + "\n")
+    if not plots:
+        return {k: v for k, v in paths.items() if v.suffix != ".png"}
     per_req = [request_metrics(r) for r in records if r.ok]
     tbts_ms = [g * 1e3 for m in per_req for g in m.tbts_s]
     ttfts_ms = [m.ttft_s * 1e3 for m in per_req if m.ttft_s is not None]
@@ -379,9 +383,11 @@ def write_comparison(
     summaries: Mapping[str, Mapping[str, Any]],
     records: Mapping[str, Sequence[RequestRecord]],
     baseline: str | None = None,
+    plots: bool = True,
 ) -> dict[str, Path]:
     """Write comparison.json (every run's summary, and ratios to `baseline` when given),
-    comparison.txt (the side-by-side table) and overlaid CDFs of TBT and TTFT."""
+    comparison.txt (the side-by-side table) and overlaid CDFs of TBT and TTFT (unless
+    `plots` is False)."""
     if not summaries:
         raise ValueError("summaries is empty: nothing to compare")
     if set(records) - set(summaries):
@@ -401,6 +407,8 @@ def write_comparison(
         data["ratios"] = comparison_ratios(summaries, baseline)
     _write_json(paths["comparison_json"], data)
     paths["comparison_txt"].write_text(table + "\n")
+    if not plots:
+        return {k: v for k, v in paths.items() if v.suffix != ".png"}
     tbts: dict[str, list[float]] = {}
     ttfts: dict[str, list[float]] = {}
     for name in summaries:

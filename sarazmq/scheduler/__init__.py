@@ -15,9 +15,10 @@ The process loop is `sarazmq.procs.scheduler`.
 """
 
 from sarazmq.scheduler.block_manager import BlockAllocationError, BlockManager
+from sarazmq.scheduler.build import build_scheduler
 from sarazmq.scheduler.policies import POLICY_CLASSES, Policy, make_policy
 from sarazmq.scheduler.request import Request, RequestStatus
-from sarazmq.scheduler.scheduler import Scheduler, build_scheduler
+from sarazmq.scheduler.scheduler import Scheduler
 from sarazmq.scheduler.service import SchedulerActions, SchedulerService
 
 __all__ = [

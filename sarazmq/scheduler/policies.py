@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sarazmq.config import SchedulerConfig
@@ -43,6 +44,9 @@ class ScheduleContext:
     blocks: BlockManager
     max_num_seqs: int
     watermark_blocks: int
+    # (decodes scheduled, first prefill's computed length) -> prefill tokens this
+    # iteration; set under a TBT target (`adaptive.AdaptiveBudget`), else chunk_size rules
+    prefill_budget: Callable[[list[Request], int], int] | None = None
 
 
 @dataclass
@@ -191,6 +195,14 @@ class Policy(abc.ABC):
         return budget
 
 
+def _first_prefill_start(ctx: ScheduleContext) -> int:
+    """Computed tokens of the prefill that gets the next chunk (0 for a new request)."""
+    for req in ctx.running:
+        if req.is_prefill:
+            return req.num_computed_tokens
+    return 0
+
+
 class SarathiPolicy(Policy):
     """Stall-free hybrid batches: all decodes, then running chunked prefills, then new
     prefills FCFS, filling `chunk_size` tokens (a decode counts one)."""
@@ -200,7 +212,10 @@ class SarathiPolicy(Policy):
     def schedule(self, ctx: ScheduleContext) -> BatchDecision:
         out = BatchDecision()
         self._schedule_decodes(ctx, out)
-        budget = self.chunk_size - len(out.decodes)
+        if ctx.prefill_budget is not None:
+            budget = ctx.prefill_budget(out.decodes, _first_prefill_start(ctx))
+        else:
+            budget = self.chunk_size - len(out.decodes)
         if budget > 0:
             budget = self._schedule_running_prefills(ctx, out, budget)
             self._admit(ctx, out, budget, whole=False)

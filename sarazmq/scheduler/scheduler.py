@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from sarazmq.config import EngineConfig, ModelConfig, SchedulerConfig
+from sarazmq.config import SchedulerConfig
 from sarazmq.perf.shape import IterationShape, shape_of_plan
 from sarazmq.protocol.common import (
     FINISH_ABORT,
@@ -43,7 +43,13 @@ from sarazmq.protocol.common import (
 from sarazmq.protocol.engine import RequestDelta
 from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq, StepResult
 from sarazmq.sampling_params import SamplingParams
+from sarazmq.scheduler.adaptive import (
+    CALIBRATION_REQUESTS,
+    build_adaptive_budget,
+    calibration_requests,
+)
 from sarazmq.scheduler.block_manager import BlockManager
+from sarazmq.scheduler.plan_check import check_result
 from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
 from sarazmq.scheduler.prefix_cache import BlockHashFn, PrefixCacheCounters, sha256_block_key
 from sarazmq.scheduler.request import Request, RequestStatus
@@ -106,6 +112,11 @@ class Scheduler:
         # bounded: a long-running server must not grow without limit
         self.iteration_records: deque[IterationRecord] = deque(maxlen=MAX_ITERATION_RECORDS)
         self._num_iterations = 0
+        # under a TBT target: the adaptive budget, and its calibration requests' seq ids
+        self.budget = build_adaptive_budget(config, clock)
+        self._calibration_seq_ids: set[int] = set()
+        if self.budget is not None and self.budget.calibrating:
+            self._start_calibration()
 
     # ---- requests in ----
 
@@ -191,6 +202,11 @@ class Scheduler:
         return self._inflight is not None
 
     @property
+    def calibrating(self) -> bool:
+        """True while the adaptive budget's calibration requests run (they go first)."""
+        return bool(self._calibration_seq_ids)
+
+    @property
     def inflight_shape(self) -> IterationShape:
         """The shape of the plan in flight (of the last plan once its result is in)."""
         return self._inflight_shape
@@ -214,6 +230,7 @@ class Scheduler:
             prefix_cache_preempted_requests=pc.preempted_requests,
             prefix_cache_preempted_queries=pc.preempted_queries,
             prefix_cache_preempted_hits=pc.preempted_hits,
+            **(self.budget.stats_fields() if self.budget is not None else {}),
         )
 
     def reset_prefix_cache(self) -> tuple[bool, str]:
@@ -250,6 +267,7 @@ class Scheduler:
             blocks=self.blocks,
             max_num_seqs=self.config.max_num_seqs,
             watermark_blocks=self._watermark_blocks,
+            prefill_budget=self.budget.prefill_budget if self.budget is not None else None,
         )
         decision = self.policy.schedule(ctx)
         num_preempted = len(decision.preempted)
@@ -334,25 +352,7 @@ class Scheduler:
         plan = self._inflight
         if plan is None:
             raise RuntimeError("process_result() called with no plan in flight")
-        if result.step != plan.step:
-            raise ValueError(f"result is for step {result.step}, plan in flight is {plan.step}")
-        if result.error:
-            raise RuntimeError(f"workers failed step {plan.step}: {result.error}")
-        if len(result.seq_ids) != len(result.token_ids):
-            raise ValueError(
-                f"result has {len(result.seq_ids)} seq_ids but {len(result.token_ids)} token_ids"
-            )
-        if result.logprobs and len(result.logprobs) != len(result.seq_ids):
-            raise ValueError(
-                f"result has {len(result.logprobs)} logprobs for {len(result.seq_ids)} tokens"
-            )
-        sampled = {sid: i for i, sid in enumerate(result.seq_ids)}
-        expected = {s.seq_id for s in plan.scheduled if s.sample}
-        if len(sampled) != len(result.seq_ids) or sampled.keys() != expected:
-            raise ValueError(
-                f"step {plan.step}: result tokens for seqs {sorted(result.seq_ids)}, "
-                f"plan samples seqs {sorted(expected)}"
-            )
+        sampled = check_result(plan, result)
 
         now = self.clock()
         deltas = self._pending_deltas
@@ -378,10 +378,13 @@ class Scheduler:
             token = result.token_ids[i]
             req.output_token_ids.append(token)
             req.token_times.append(now)
+            internal = s.seq_id in self._calibration_seq_ids  # nobody is listening
             reason = self._check_finish(req, token)
             if reason:
                 self._finish(req, reason, remove_from_running=False)
                 finished_any = True
+            if internal:
+                continue
             lps: list[TokenLogprobs | None] = [result.logprobs[i]] if result.logprobs else []
             deltas.append(self._delta(req, [token], [now], lps))
         if finished_any:
@@ -409,11 +412,25 @@ class Scheduler:
                 num_sampled=self._inflight_shape.num_sampled,
             )
         )
+        if self.budget is not None:
+            self.budget.observe_iteration(
+                self._inflight_shape, self._inflight_start, now, calibrated=not self.calibrating
+            )
         self._inflight = None
         self._inflight_reqs = {}
         return deltas
 
     # ---- internals ----
+
+    def _start_calibration(self) -> None:
+        """Queues the adaptive budget's calibration requests (see `adaptive`)."""
+        per_request = min(self.max_model_len, self.blocks.num_token_slots // CALIBRATION_REQUESTS)
+        requests = calibration_requests(self.config.chunk_size, per_request)
+        for request_id, prompt, params in requests:
+            self.add_request(request_id, prompt, params)
+            self._calibration_seq_ids.add(self._next_seq_id - 1)
+        if not requests and self.budget is not None:
+            self.budget.calibrating = False
 
     def _note_preempted(self, decision: BatchDecision) -> None:
         for req in decision.preempted:
@@ -447,6 +464,9 @@ class Scheduler:
             self._pending_freed.append(req.seq_id)
             req.on_worker = False
         del self._requests[req.request_id]
+        if self._calibration_seq_ids and req.seq_id in self._calibration_seq_ids:
+            self._calibration_seq_ids.discard(req.seq_id)
+            return
         self._num_finished += 1
 
     def _delta(
@@ -467,31 +487,3 @@ class Scheduler:
             num_preemptions=req.num_preemptions,
             logprobs=logprobs,
         )
-
-
-def build_scheduler(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    clock: Callable[[], float] = time.monotonic,
-    *,
-    num_blocks: int | None = None,
-    scheduler_config: SchedulerConfig | None = None,
-) -> Scheduler:
-    """The scheduler of a resolved engine config: the one way to build it, for the
-    in-process engine and the scheduler process alike.
-
-    num_blocks: use only this many of the config's KV blocks (default: all of them);
-    scheduler_config: another policy/budget than `config.scheduler` (its max_model_len
-    is the config's).
-    """
-    sched = scheduler_config or config.scheduler
-    return Scheduler(
-        sched,
-        block_size=config.cache.block_size,
-        num_blocks=config.cache.num_blocks if num_blocks is None else num_blocks,
-        max_model_len=config.scheduler.max_model_len,
-        eos_token_ids=model_config.eos_token_ids,
-        clock=clock,
-        seed=config.seed,
-        enable_prefix_caching=config.cache.enable_prefix_caching,
-    )

@@ -57,6 +57,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries / _hits at first admissions, prefix_cache_preempted_* at
     re-admissions after a recompute preemption. num_cached_blocks: blocks holding a key
     now; num_evictions: cached blocks handed out for new contents so far.
+
+    Adaptive budget (tbt_slo > 0, see `adaptive`): calibrating while its startup requests
+    run; latency_model_*: out-of-sample error of the iteration-time model over recent
+    iterations (fractions of the measured time) and its safety margin; budget_*: mean
+    prefill chunk with decodes running, iterations the slack cut below chunk_size, and
+    iterations with no slack left (the minimum chunk ran).
     """
 
     num_waiting: int
@@ -75,6 +81,15 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_preempted_requests: int = 0
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
+    tbt_slo: float = 0.0
+    calibrating: bool = False
+    latency_model_samples: int = 0
+    latency_model_mape: float = 0.0
+    latency_model_p95_error: float = 0.0
+    latency_model_margin: float = 0.0
+    budget_mean_chunk: float = 0.0
+    budget_limited_iterations: int = 0
+    budget_min_chunk_iterations: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
+
+# median_time and time_once are the package's, re-exported for the benchmark's parts
+from sarazmq.perf.machine import median_time as median_time
+from sarazmq.perf.machine import probe_machine
+from sarazmq.perf.machine import time_once as time_once
 
 PROMPT_LEN = 2048
 PREFILL_CHUNK = 512
@@ -19,34 +20,7 @@ HYBRID_CHUNK = 256
 HYBRID_DECODES = 32
 
 
-def median_time(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_machine(dtype: torch.dtype, quick: bool) -> tuple[float, float]:
-    """(GEMM peak FLOP/s in `dtype`, memory read bandwidth bytes/s), best of a few tries."""
-    n = 1024 if quick else 2048
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    a @ b
-    best = min(time_once(lambda: a @ b) for _ in range(3))
-    peak = 2 * n**3 / best
-    buf = torch.ones(128 * 1024 * 1024)  # 512 MB of float32, far beyond any cache
-    buf.sum()
-    best = min(time_once(buf.sum) for _ in range(3))
-    bandwidth = buf.numel() * 4 / best
-    del buf
-    return peak, bandwidth
-
-
-def time_once(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    """(GEMM peak FLOP/s in `dtype`, memory read bandwidth bytes/s): the package's probe."""
+    probe = probe_machine(dtype, quick)
+    return probe.gemm_flops, probe.bandwidth_bytes_s

@@ -1,4 +1,6 @@
-"""What a batch costs the model: matmul FLOPs and bytes read, for the roofline limits."""
+"""What a batch costs the model, for the roofline limits: the package's `ModelCost`
+(sarazmq.perf.cost) with the weights counted from the loaded model, plus what only this
+benchmark needs (the GGUF's quantized blocks a small decode step reads instead)."""
 
 from __future__ import annotations
 
@@ -9,42 +11,49 @@ import torch
 from sarazmq import LLM
 from sarazmq.kernels.decode_step import FUSED_MAX_ROWS_BLOCKS
 from sarazmq.kernels.linear_weight import LinearWeight
+from sarazmq.perf.cost import ModelCost as IterationCost
+from sarazmq.perf.shape import IterationShape, chunk_attention_pairs
 
 
 @dataclass(frozen=True)
 class ModelCost:
-    """Per-token costs of a Llama-family model, from its config."""
+    """The package's per-iteration costs, taking a batch as (query, key) lengths."""
 
-    linear_params: int  # decoder-layer matmul weights (all layers)
-    head_params: int  # lm head (the embedding when tied)
-    num_layers: int
-    q_width: int  # num_heads * head_dim
-    kv_width: int  # num_kv_heads * head_dim
-    elem: int  # bytes per element in the run dtype
+    base: IterationCost
     # weight bytes a decode step of at most `block_rows` sequences reads, where the model
     # reads the GGUF's quantized blocks there (None: every step reads run-dtype weights)
     block_weight_bytes: int | None = None
     block_rows: int = 0
 
+    @property
+    def linear_params(self) -> int:
+        return self.base.linear_params
+
+    @property
+    def head_params(self) -> int:
+        return self.base.head_params
+
+    @property
+    def elem(self) -> int:
+        return self.base.elem
+
     def flops(self, q_lens: list[int], k_lens: list[int], sampled: int) -> float:
         """Matmul FLOPs of a batch: linear layers, causal attention, lm head rows."""
-        tokens = sum(q_lens)
-        attn_pairs = 0  # (query, key) pairs inside the causal mask
-        for q, k in zip(q_lens, k_lens):
-            # query j sees k - q + j + 1 keys
-            attn_pairs += q * (k - q) + q * (q + 1) // 2
-        return (
-            2 * self.linear_params * tokens
-            + 4 * self.q_width * self.num_layers * attn_pairs
-            + 2 * self.head_params * sampled
+        pairs = sum(chunk_attention_pairs(k - q, q) for q, k in zip(q_lens, k_lens))
+        shape = IterationShape(
+            num_prefill_tokens=sum(q_lens),
+            num_prefill_seqs=len(q_lens),
+            prefill_attention_pairs=pairs,
+            num_sampled=sampled,
         )
+        return self.base.flops(shape)
 
     def bytes(self, k_lens: list[int]) -> float:
         """Bytes read: every weight once, plus the KV cache of every sequence."""
-        kv = 2 * self.kv_width * self.num_layers * sum(k_lens) * self.elem
+        kv = self.base.kv_bytes_per_token * sum(k_lens)
         if self.block_weight_bytes is not None and len(k_lens) <= self.block_rows:
             return self.block_weight_bytes + kv
-        return (self.linear_params + self.head_params) * self.elem + kv
+        return self.base.weight_bytes + kv
 
 
 def model_cost(llm: LLM, dtype: torch.dtype) -> ModelCost:
@@ -62,13 +71,16 @@ def model_cost(llm: LLM, dtype: torch.dtype) -> ModelCost:
             w.variant_bytes()["blocks"] if w.blocks is not None else _params(w) * elem
             for w in (*weights.values(), head)
         )
-    return ModelCost(
+    base = IterationCost(
         linear_params=sum(_params(w) for w in weights.values()),
         head_params=_params(head),
         num_layers=cfg.num_layers,
         q_width=cfg.num_heads * cfg.head_dim,
         kv_width=cfg.num_kv_heads * cfg.head_dim,
         elem=elem,
+    )
+    return ModelCost(
+        base=base,
         block_weight_bytes=block_bytes,
         block_rows=FUSED_MAX_ROWS_BLOCKS[dtype] if block_bytes is not None else 0,
     )

@@ -4,71 +4,19 @@ from __future__ import annotations
 
 import statistics
 
-import torch
-
-from sarazmq import LLM, SamplingParams
-from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq
+from sarazmq import LLM
+from sarazmq.perf.shapes_runner import ShapesRunner
+from sarazmq.protocol.worker import BatchPlan
 
 from .common import DECODE_CTX, HYBRID_CHUNK, HYBRID_DECODES, PROMPT_LEN, median_time, time_once
 
 
-class RunnerBench:
-    """Drives `ModelRunner.execute` with hand-built plans of exact shapes."""
+class RunnerBench(ShapesRunner):
+    """Drives `ModelRunner.execute` with hand-built plans of exact shapes (the package's
+    `ShapesRunner`), for the benchmark's fixed shapes."""
 
     def __init__(self, llm: LLM) -> None:
-        self.runner = llm.engine.runner
-        self.block_size = self.runner.block_size
-        self.num_blocks = self.runner.kv_caches[0][0].shape[0]
-        # blocks handed out in a shuffled order: a long-running server's pool is
-        # fragmented, so a sequence's blocks are scattered over the cache
-        self.pool = torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(0))
-        self.next_block = 0
-        self.next_seq = 1_000_000  # far from the engine's own ids
-        self.step = 0
-        self.params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-
-    def _blocks(self, num_tokens: int) -> list[int]:
-        n = -(-num_tokens // self.block_size)
-        if self.next_block + n > self.num_blocks:
-            raise RuntimeError("KV pool too small for the benchmark")
-        ids = self.pool[self.next_block : self.next_block + n].tolist()
-        self.next_block += n
-        return ids
-
-    def run(self, plan: BatchPlan) -> None:
-        self.runner.execute(plan)
-
-    def new_seq(self, num_tokens: int, computed: int) -> int:
-        """Registers a sequence of `num_tokens` tokens whose first `computed` are cached."""
-        seq_id = self.next_seq
-        self.next_seq += 1
-        tokens = [(seq_id * 31 + i * 7) % 30000 + 100 for i in range(num_tokens)]
-        self.step += 1
-        self.run(
-            BatchPlan(
-                step=self.step,
-                new_seqs=[NewSeq(seq_id, tokens, num_tokens, self.params, seed=0)],
-            )
-        )
-        self.runner.assume_computed(seq_id, computed, self._blocks(num_tokens))
-        return seq_id
-
-    def set_computed(self, seq_ids: list[int], computed: int) -> None:
-        for s in seq_ids:
-            self.runner.assume_computed(s, computed, self.runner.sequence(s).block_ids)
-
-    def plan(self, items: list[tuple[int, int, int, bool]]) -> BatchPlan:
-        """items: (seq_id, start_pos, num_tokens, sample)."""
-        self.step += 1
-        return BatchPlan(
-            step=self.step,
-            scheduled=[ScheduledSeq(s, p, n, sample=smp) for s, p, n, smp in items],
-        )
-
-    def free_all(self) -> None:
-        self.step += 1
-        self.run(BatchPlan(step=self.step, freed_seq_ids=self.runner.sequence_ids()))
-        self.next_block = 0
+        super().__init__(llm.engine.runner)
 
     # --- the measured shapes
 

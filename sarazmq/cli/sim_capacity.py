@@ -1,0 +1,79 @@
+"""`sarazmq capacity --simulate`: the capacity search with every probe simulated."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sarazmq.cli.sim_options import (
+    latency_line,
+    load_latency,
+    sim_engine_line,
+    sim_geometry,
+    sim_settings,
+    sim_vocabulary,
+)
+from sarazmq.replay.describe import describe
+from sarazmq.replay.metrics import summarize
+from sarazmq.replay.report import write_run
+from sarazmq.replay.workload import WorkloadRequest, WorkloadSpec, build_workload
+from sarazmq.sim.run import simulate_workload
+
+
+class SimProbes:
+    """The simulated engine of `capacity --simulate`: its latency model (from the latency
+    source options) and, once the workload is known, its KV geometry."""
+
+    def __init__(self, kw: Mapping[str, Any]) -> None:
+        if kw.get("connect"):
+            raise click.BadParameter("a simulation has no deployment", param_hint="--connect")
+        self.latency, self.info = load_latency(kw)
+        self.geometry: dict[str, int] = {}
+
+    def workload_kw(self, kw: Mapping[str, Any]) -> dict[str, Any]:
+        """The options with a model-free prompt vocabulary (`sim_vocabulary`)."""
+        vocab, avoid = sim_vocabulary(kw, self.info)
+        return {**kw, "model": "", "vocab_size": vocab, "avoid_ids": avoid}
+
+    def set_workload(self, kw: Mapping[str, Any], requests: Sequence[WorkloadRequest]) -> None:
+        """Fixes the KV geometry (the workload's lengths do not depend on the rate)."""
+        self.geometry = sim_geometry(kw, self.info, requests)
+        click.echo(latency_line(self.info))
+
+    def engine_line(self, kw: Mapping[str, Any], policy: str) -> str:
+        return sim_engine_line(kw, policy, self.geometry)
+
+    def runner(
+        self, spec: WorkloadSpec, kw: Mapping[str, Any], policy: str, out_dir: Path
+    ) -> Callable[[float], dict[str, Any]]:
+        """The capacity search's run_at_qps: simulates `spec` re-timed at the probed rate,
+        writes the probe's run under out_dir/POLICY/qps-RATE/ and returns its summary."""
+
+        def run_at_qps(qps: float) -> dict[str, Any]:
+            probe_spec = dataclasses.replace(spec, qps=qps)
+            requests = build_workload(probe_spec)
+            out = simulate_workload(
+                requests,
+                {**kw, "scheduler": policy},
+                self.latency,
+                **self.geometry,
+                seed=kw["seed"],
+                overhead_s=self.info["overhead_s"],
+            )
+            summary = summarize(out.records, out.iterations)
+            write_run(
+                out_dir / policy / f"qps-{qps:.4g}",
+                summary,
+                out.records,
+                out.iterations,
+                workload=describe(probe_spec, requests, block_size=self.geometry["block_size"]),
+                settings=sim_settings(kw, policy, self.geometry, self.info, out),
+                plots=False,
+            )
+            return summary
+
+        return run_at_qps

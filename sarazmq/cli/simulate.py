@@ -1,0 +1,146 @@
+"""`sarazmq simulate`: a trace (or synthetic workload) through the real scheduler, in
+simulated time with iteration times from a latency model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sarazmq.cli.sim_options import (
+    latency_line,
+    latency_source_options,
+    load_latency,
+    sim_engine_line,
+    sim_geometry,
+    sim_scheduling_options,
+    sim_settings,
+    sim_vocabulary,
+)
+from sarazmq.cli.workload_options import (
+    TRACE_HELP,
+    parse_policies,
+    prepare_workload,
+    workload_options,
+)
+from sarazmq.replay.describe import format_header
+from sarazmq.replay.metrics import summarize
+from sarazmq.replay.report import format_comparison, format_table, write_comparison, write_run
+from sarazmq.sim.run import simulate_workload
+
+_SIMULATE_HELP = (
+    """Simulate serving TRACE: the real scheduler (policy, KV block manager, prefix cache)
+in simulated time, each iteration as long as a latency model says. No model or
+deployment is started.
+
+The latency model is a `sarazmq profile` JSON (--profile: this machine's engine) or a
+named GPU and model architecture (--gpu a100 --arch mistral-7b [--tp N]: Vidur's measured
+tables where they exist, else a roofline). The KV pool is --num-kv-blocks, or the
+profile's engine pool, or the GPU's memory (90 %) less the bf16 weights. Writes the same
+summary.json, requests.csv, iterations.csv, records.jsonl and plots as `replay` to
+--output-dir and prints the same table; --compare sarathi,vllm,orca simulates each policy
+(outputs in --output-dir/POLICY/) and writes the comparison.
+
+"""
+    + TRACE_HELP
+)
+
+
+@click.command(help=_SIMULATE_HELP)
+@click.argument("trace")
+@workload_options(retime=True)
+@latency_source_options(tp=True)
+@sim_scheduling_options
+@click.option(
+    "--slo-ttft", type=float, default=None, help="goodput: a request's TTFT SLO (seconds)"
+)
+@click.option(
+    "--slo-tbt", type=float, default=None, help="goodput: a request's P99 TBT SLO (seconds)"
+)
+@click.option(
+    "--compare",
+    default=None,
+    help="comma-separated policies (e.g. sarathi,vllm,orca): simulate the same workload "
+    "with each, instead of --scheduler",
+)
+@click.option(
+    "--baseline",
+    default=None,
+    help="policy the comparison's ratios are taken against (default: vllm when compared)",
+)
+@click.option("--plots/--no-plots", default=True, show_default=True, help="write the PNG plots")
+def simulate(trace: str, **kw: Any) -> None:
+    """Simulate serving TRACE (help text: _SIMULATE_HELP)."""
+    for opt in ("connect", "concurrency", "request_timeout"):
+        if kw[opt] is not None:
+            raise click.BadParameter(
+                "a simulation has no deployment or client", param_hint=f"--{opt.replace('_', '-')}"
+            )
+    for opt in ("slo_ttft", "slo_tbt"):
+        if kw[opt] is not None and not kw[opt] > 0:
+            raise click.BadParameter("must be > 0", param_hint=f"--{opt.replace('_', '-')}")
+    policies = parse_policies(kw["compare"], "--compare") if kw["compare"] else [kw["scheduler"]]
+    comparing = kw["compare"] is not None
+    if kw["tbt_slo"] and any(p != "sarathi" for p in policies):
+        raise click.BadParameter(
+            "the adaptive chunk is the sarathi policy's; simulate the others without it",
+            param_hint="--tbt-slo",
+        )
+    baseline = kw["baseline"]
+    if baseline is None and comparing and "vllm" in policies:
+        baseline = "vllm"
+    if baseline is not None and baseline not in policies:
+        raise click.BadParameter(f"{baseline!r} is not among {policies}", param_hint="--baseline")
+
+    latency, info = load_latency(kw)
+    vocab, avoid = sim_vocabulary(kw, info)
+    kw = {**kw, "model": "", "vocab_size": vocab, "avoid_ids": avoid}
+    spec, requests, workload = prepare_workload(trace, kw)
+    click.echo(format_header(workload))
+    geometry = sim_geometry(kw, info, requests)
+    click.echo(latency_line(info))
+    out_dir = Path(kw["output_dir"])
+    summaries: dict[str, dict[str, Any]] = {}
+    records = {}
+    for policy in policies:
+        click.echo(sim_engine_line(kw, policy, geometry))
+        try:
+            out = simulate_workload(
+                requests,
+                {**kw, "scheduler": policy},
+                latency,
+                **geometry,
+                seed=kw["seed"],
+                overhead_s=info["overhead_s"],
+                progress=kw["progress"],
+            )
+        except ValueError as e:
+            raise click.ClickException(f"{policy}: {e}") from None
+        click.echo(
+            f"simulated {out.sim_time_s:.1f} s ({out.num_iterations} iterations) in "
+            f"{out.wall_s:.1f} s",
+            err=True,
+        )
+        summary = summarize(out.records, out.iterations, kw["slo_ttft"], kw["slo_tbt"])
+        run_dir = out_dir / policy if comparing else out_dir
+        write_run(
+            run_dir,
+            summary,
+            out.records,
+            out.iterations,
+            workload=workload,
+            settings=sim_settings(kw, policy, geometry, info, out),
+            plots=kw["plots"],
+        )
+        if comparing:
+            click.echo(f"--- {policy}")
+        click.echo(format_table(summary))
+        click.echo(f"wrote {run_dir}/")
+        summaries[policy] = summary
+        records[policy] = out.records
+    if comparing:
+        write_comparison(out_dir, summaries, records, baseline=baseline, plots=kw["plots"])
+        click.echo(format_comparison(summaries, baseline))
+        pngs = ", compare_*_cdf.png" if kw["plots"] else ""
+        click.echo(f"wrote {out_dir}/comparison.json, comparison.txt{pngs}")

@@ -1,0 +1,81 @@
+"""One way to get a latency model: from a measured profile, or from a named GPU and model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sarazmq.perf.architectures import get_architecture, get_gpu
+from sarazmq.perf.gpu import GpuProfileModel, RooflineModel, vidur_mlp_path
+from sarazmq.perf.linear import KIND, PiecewiseLinearModel
+from sarazmq.perf.model import LatencyModel
+
+
+def read_profile(path: str) -> dict[str, Any]:
+    """A profile JSON (`sarazmq profile --output`), or a bare model dict; ValueError naming
+    --profile when it cannot be read or is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--profile {path}: cannot read it ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--profile {path}: not a profile (a JSON object)")
+    return data
+
+
+def load_latency_model(
+    profile: str | None, gpu: str | None, arch: str | None, tp: int = 1
+) -> tuple[LatencyModel, dict[str, Any]]:
+    """The latency model of a profile JSON (`profile`), or of a GPU and architecture by
+    name (Vidur's measured tables where it has them, else a roofline); and a description
+    of where it came from (for a run's summary). ValueError naming the flag on a bad
+    combination or name."""
+    if profile is not None and (gpu is not None or arch is not None):
+        raise ValueError("give --profile, or --gpu and --arch, not both")
+    if tp < 1:
+        raise ValueError(f"--tp {tp} must be >= 1")
+    if profile is not None:
+        if tp != 1:
+            raise ValueError("--tp applies to --gpu/--arch; a --profile was measured as it ran")
+        data = read_profile(profile)
+        model_dict = data.get("model", data)
+        if not isinstance(model_dict, dict) or model_dict.get("kind") != KIND:
+            raise ValueError(f"--profile {profile}: no {KIND} model in it")
+        try:
+            model = PiecewiseLinearModel.from_dict(model_dict)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--profile {profile}: {e}") from None
+        info = {
+            "source": "profile",
+            "path": profile,
+            "kind": data.get("kind", KIND),
+            "model": model.to_dict(),
+        }
+        for key in ("engine", "machine", "error", "overhead_s", "runs"):
+            if key in data:
+                info[key] = data[key]
+        return model, info
+    if gpu is None or arch is None:
+        missing = "--gpu" if gpu is None else "--arch"
+        raise ValueError(f"give --profile, or both --gpu and --arch ({missing} is missing)")
+    try:
+        g = get_gpu(gpu)
+    except ValueError as e:
+        raise ValueError(f"--gpu: {e}") from None
+    try:
+        a = get_architecture(arch)
+    except ValueError as e:
+        raise ValueError(f"--arch: {e}") from None
+    if a.num_kv_heads % tp and tp % a.num_kv_heads:
+        raise ValueError(f"--tp {tp} does not split {a.name}'s {a.num_kv_heads} KV heads")
+    why = f"no Vidur table for {g.name} + {a.name}"
+    if vidur_mlp_path(g.name, a.name) is not None:
+        try:
+            gm = GpuProfileModel.load(g.name, a, tp)
+        except ValueError as e:  # e.g. a TP degree the table lacks
+            why = str(e)
+        else:
+            return gm, {"source": "vidur", **gm.describe()}
+    rm = RooflineModel(g, a, tp)
+    return rm, {"source": "roofline", "why": why, **rm.describe()}
