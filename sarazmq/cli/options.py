@@ -24,15 +24,9 @@ def stack(*options: Decorator) -> Decorator:
     return deco
 
 
-#: Every option that builds an EngineConfig; each parameter is named as in
-#: `EngineConfig.from_options`, so `engine_config(kw)` passes them through.
-engine_options = stack(
-    click.option(
-        "--model",
-        default=DEFAULT_MODEL,
-        show_default=True,
-        help="model name, .gguf file, or Hugging Face folder",
-    ),
+#: Engine options that shape scheduling: every command that starts or simulates an
+#: engine has them (`engine_options` and the simulator's `sim_scheduling_options`).
+policy_options = stack(
     click.option(
         "--scheduler",
         "scheduler",
@@ -44,6 +38,35 @@ engine_options = stack(
     click.option("--chunk-size", default=256, show_default=True, help="per-iteration token budget"),
     click.option("--max-num-seqs", default=64, show_default=True),
     click.option(
+        "--tbt-slo",
+        type=float,
+        default=0.0,
+        show_default=True,
+        help="time-between-tokens target (s): each iteration's chunk is the largest whose "
+        "predicted time fits the decodes' slack; --chunk-size is its upper bound (sarathi; "
+        "0 = fixed chunk; calibrated at startup)",
+    ),
+    click.option("--block-size", default=16, show_default=True),
+    click.option(
+        "--prefix-caching/--no-prefix-caching",
+        "enable_prefix_caching",
+        default=True,
+        show_default=True,
+        help="reuse the KV of shared prompt prefixes (whole blocks)",
+    ),
+)
+
+#: Every option that builds an EngineConfig; each parameter is named as in
+#: `EngineConfig.from_options`, so `engine_config(kw)` passes them through.
+engine_options = stack(
+    click.option(
+        "--model",
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help="model name, .gguf file, or Hugging Face folder",
+    ),
+    policy_options,
+    click.option(
         "--tp", "tensor_parallel_size", default=1, show_default=True, help="tensor-parallel workers"
     ),
     click.option(
@@ -54,14 +77,6 @@ engine_options = stack(
         help="detokenizer processes",
     ),
     click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
-    click.option("--block-size", default=16, show_default=True),
-    click.option(
-        "--prefix-caching/--no-prefix-caching",
-        "enable_prefix_caching",
-        default=True,
-        show_default=True,
-        help="reuse the KV of shared prompt prefixes (whole blocks)",
-    ),
     click.option(
         "--num-kv-blocks",
         default=0,
@@ -92,15 +107,6 @@ engine_options = stack(
         default=0,
         show_default=True,
         help="torch threads per worker (0 = cores / tp)",
-    ),
-    click.option(
-        "--tbt-slo",
-        type=float,
-        default=0.0,
-        show_default=True,
-        help="time-between-tokens target (s): each iteration's chunk is the largest whose "
-        "predicted time fits the decodes' slack; --chunk-size is its upper bound (sarathi; "
-        "0 = fixed chunk)",
     ),
     click.option(
         "--latency-profile",

@@ -19,7 +19,8 @@ from sarazmq.cli.runs import (
 )
 from sarazmq.cli.workload_options import (
     TRACE_HELP,
-    parse_policies,
+    comparison_options,
+    comparison_policies,
     prepare_workload,
     workload_options,
 )
@@ -47,23 +48,7 @@ comparison.json/.txt and overlaid CDFs are written, with ratios to --baseline.
 @click.command(help=_REPLAY_HELP)
 @click.argument("trace")
 @workload_options(retime=True)
-@click.option(
-    "--slo-ttft", type=float, default=None, help="goodput: a request's TTFT SLO (seconds)"
-)
-@click.option(
-    "--slo-tbt", type=float, default=None, help="goodput: a request's P99 TBT SLO (seconds)"
-)
-@click.option(
-    "--compare",
-    default=None,
-    help="comma-separated policies (e.g. sarathi,vllm,orca): replay the same workload "
-    "against a fresh deployment of each, instead of --scheduler",
-)
-@click.option(
-    "--baseline",
-    default=None,
-    help="policy the comparison's ratios are taken against (default: vllm when compared)",
-)
+@comparison_options("replay the same workload against a fresh deployment of each")
 @click.option(
     "--openai-url",
     default=None,
@@ -75,12 +60,7 @@ comparison.json/.txt and overlaid CDFs are written, with ratios to --baseline.
 def replay(trace: str, **kw: Any) -> None:
     """Replay TRACE against a deployment and report Sarathi-Serve's metrics (help text:
     _REPLAY_HELP)."""
-    if kw["slo_ttft"] is not None and not kw["slo_ttft"] > 0:
-        raise click.BadParameter("must be > 0", param_hint="--slo-ttft")
-    if kw["slo_tbt"] is not None and not kw["slo_tbt"] > 0:
-        raise click.BadParameter("must be > 0", param_hint="--slo-tbt")
-    policies = parse_policies(kw["compare"], "--compare") if kw["compare"] else [kw["scheduler"]]
-    comparing = kw["compare"] is not None
+    policies, comparing, baseline = comparison_policies(kw)
     if comparing and (kw["connect"] or kw["openai_url"]):
         raise click.BadParameter(
             "--compare starts a fresh deployment per policy; it cannot use --connect or "
@@ -89,11 +69,6 @@ def replay(trace: str, **kw: Any) -> None:
         )
     if kw["connect"] and kw["openai_url"]:
         raise click.BadParameter("give --connect or --openai-url, not both", param_hint="--connect")
-    baseline = kw["baseline"]
-    if baseline is None and comparing and "vllm" in policies:
-        baseline = "vllm"
-    if baseline is not None and baseline not in policies:
-        raise click.BadParameter(f"{baseline!r} is not among {policies}", param_hint="--baseline")
 
     spec, requests, info = prepare_workload(trace, kw)
     click.echo(format_header(info))

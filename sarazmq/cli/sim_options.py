@@ -18,8 +18,7 @@ from typing import Any
 
 import click
 
-from sarazmq.cli.options import stack
-from sarazmq.config import POLICIES
+from sarazmq.cli.options import policy_options, stack
 from sarazmq.replay.workload import WorkloadRequest
 from sarazmq.sim.simulator import SimOutcome
 
@@ -58,9 +57,9 @@ def latency_source_options(*, tp: bool) -> Any:
         click.option(
             "--overhead-ms",
             type=float,
-            default=0.0,
-            show_default=True,
-            help="added to every simulated iteration (ms)",
+            default=None,
+            help="added to every simulated iteration (ms; default: the gap between "
+            "iterations a `profile --from-runs` measured, else 0)",
         )
     )
     return stack(*opts)
@@ -68,25 +67,7 @@ def latency_source_options(*, tp: bool) -> Any:
 
 #: The engine options that shape scheduling, for commands that simulate only.
 sim_scheduling_options = stack(
-    click.option(
-        "--scheduler",
-        "scheduler",
-        type=click.Choice(POLICIES),
-        default="sarathi",
-        show_default=True,
-        help="batching policy",
-    ),
-    click.option("--chunk-size", default=256, show_default=True, help="per-iteration token budget"),
-    click.option(
-        "--tbt-slo",
-        type=float,
-        default=0.0,
-        show_default=True,
-        help="time-between-tokens target (s): the adaptive chunk of the sarathi policy, "
-        "calibrated at the start as the engine does (0 = fixed chunk)",
-    ),
-    click.option("--max-num-seqs", default=64, show_default=True),
-    click.option("--block-size", default=16, show_default=True),
+    policy_options,
     click.option(
         "--num-kv-blocks",
         default=0,
@@ -99,13 +80,6 @@ sim_scheduling_options = stack(
         show_default=True,
         help="longest prompt+output (0 = the profiled model's context, else the workload's longest)",
     ),
-    click.option(
-        "--prefix-caching/--no-prefix-caching",
-        "enable_prefix_caching",
-        default=True,
-        show_default=True,
-        help="reuse the KV of shared prompt prefixes (whole blocks)",
-    ),
     click.option("--seed", type=int, default=0, show_default=True, help="workload and engine seed"),
 )
 
@@ -115,7 +89,7 @@ def load_latency(kw: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     errors for a bad combination, name or file."""
     from sarazmq.perf.load import load_latency_model
 
-    if kw["overhead_ms"] < 0:
+    if kw["overhead_ms"] is not None and kw["overhead_ms"] < 0:
         raise click.BadParameter("must be >= 0", param_hint="--overhead-ms")
     try:
         model, info = load_latency_model(
@@ -123,7 +97,10 @@ def load_latency(kw: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
         )
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
-    return model, {**info, "overhead_s": kw["overhead_ms"] / 1e3}
+    overhead_s = (
+        kw["overhead_ms"] / 1e3 if kw["overhead_ms"] is not None else info.get("overhead_s", 0.0)
+    )
+    return model, {**info, "overhead_s": float(overhead_s)}
 
 
 def _profile_engine(info: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -20,7 +20,8 @@ from sarazmq.cli.sim_options import (
 )
 from sarazmq.cli.workload_options import (
     TRACE_HELP,
-    parse_policies,
+    comparison_options,
+    comparison_policies,
     prepare_workload,
     workload_options,
 )
@@ -52,23 +53,7 @@ summary.json, requests.csv, iterations.csv, records.jsonl and plots as `replay` 
 @workload_options(retime=True)
 @latency_source_options(tp=True)
 @sim_scheduling_options
-@click.option(
-    "--slo-ttft", type=float, default=None, help="goodput: a request's TTFT SLO (seconds)"
-)
-@click.option(
-    "--slo-tbt", type=float, default=None, help="goodput: a request's P99 TBT SLO (seconds)"
-)
-@click.option(
-    "--compare",
-    default=None,
-    help="comma-separated policies (e.g. sarathi,vllm,orca): simulate the same workload "
-    "with each, instead of --scheduler",
-)
-@click.option(
-    "--baseline",
-    default=None,
-    help="policy the comparison's ratios are taken against (default: vllm when compared)",
-)
+@comparison_options("simulate the same workload with each")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="write the PNG plots")
 def simulate(trace: str, **kw: Any) -> None:
     """Simulate serving TRACE (help text: _SIMULATE_HELP)."""
@@ -77,21 +62,12 @@ def simulate(trace: str, **kw: Any) -> None:
             raise click.BadParameter(
                 "a simulation has no deployment or client", param_hint=f"--{opt.replace('_', '-')}"
             )
-    for opt in ("slo_ttft", "slo_tbt"):
-        if kw[opt] is not None and not kw[opt] > 0:
-            raise click.BadParameter("must be > 0", param_hint=f"--{opt.replace('_', '-')}")
-    policies = parse_policies(kw["compare"], "--compare") if kw["compare"] else [kw["scheduler"]]
-    comparing = kw["compare"] is not None
+    policies, comparing, baseline = comparison_policies(kw)
     if kw["tbt_slo"] and any(p != "sarathi" for p in policies):
         raise click.BadParameter(
             "the adaptive chunk is the sarathi policy's; simulate the others without it",
             param_hint="--tbt-slo",
         )
-    baseline = kw["baseline"]
-    if baseline is None and comparing and "vllm" in policies:
-        baseline = "vllm"
-    if baseline is not None and baseline not in policies:
-        raise click.BadParameter(f"{baseline!r} is not among {policies}", param_hint="--baseline")
 
     latency, info = load_latency(kw)
     vocab, avoid = sim_vocabulary(kw, info)

@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 
+from sarazmq.cli.options import stack
 from sarazmq.config import POLICIES
 from sarazmq.replay.describe import describe
 from sarazmq.replay.traces import TRACE_KINDS
@@ -236,6 +237,47 @@ def workload_spec(
         prefix_sharing=kw["prefix_sharing"],
         seed=kw["seed"],
     )
+
+
+def comparison_options(runs: str) -> Callable[[Any], Any]:
+    """--slo-ttft/--slo-tbt (goodput) and --compare/--baseline of a command that runs one
+    workload per policy; `runs` says how in --compare's help ("replay ... against a fresh
+    deployment of each")."""
+    return stack(
+        click.option(
+            "--slo-ttft", type=float, default=None, help="goodput: a request's TTFT SLO (seconds)"
+        ),
+        click.option(
+            "--slo-tbt", type=float, default=None, help="goodput: a request's P99 TBT SLO (seconds)"
+        ),
+        click.option(
+            "--compare",
+            default=None,
+            help=f"comma-separated policies (e.g. sarathi,vllm,orca): {runs}, instead of "
+            "--scheduler",
+        ),
+        click.option(
+            "--baseline",
+            default=None,
+            help="policy the comparison's ratios are taken against (default: vllm when compared)",
+        ),
+    )
+
+
+def comparison_policies(kw: Mapping[str, Any]) -> tuple[list[str], bool, str | None]:
+    """(policies to run, comparing?, baseline) of `comparison_options`; one-line click
+    errors for a bad SLO, policy list or baseline."""
+    for opt in ("slo_ttft", "slo_tbt"):
+        if kw[opt] is not None and not kw[opt] > 0:
+            raise click.BadParameter("must be > 0", param_hint=f"--{opt.replace('_', '-')}")
+    comparing = kw["compare"] is not None
+    policies = parse_policies(kw["compare"], "--compare") if comparing else [kw["scheduler"]]
+    baseline = kw["baseline"]
+    if baseline is None and comparing and "vllm" in policies:
+        baseline = "vllm"
+    if baseline is not None and baseline not in policies:
+        raise click.BadParameter(f"{baseline!r} is not among {policies}", param_hint="--baseline")
+    return policies, comparing, baseline
 
 
 def parse_policies(text: str, option: str) -> list[str]:

@@ -47,6 +47,15 @@ class IterationShape(msgspec.Struct, frozen=True, array_like=True):
         return self.num_prefill_seqs + self.num_decode_seqs
 
 
+SHAPE_FIELDS: tuple[str, ...] = IterationShape.__struct_fields__
+
+
+def shape_of_fields(record: object) -> IterationShape:
+    """The shape held in any record with attributes named as IterationShape's fields
+    (the scheduler's IterationRecord, replay's IterationSample)."""
+    return IterationShape(**{f: getattr(record, f) for f in SHAPE_FIELDS})
+
+
 def chunk_attention_pairs(start: int, num_tokens: int) -> int:
     """(query, key) pairs of a causal chunk of `num_tokens` after `start` computed ones."""
     return num_tokens * start + num_tokens * (num_tokens + 1) // 2

@@ -129,31 +129,7 @@ async def _one_request(
 
 
 def _iteration_samples(raw: Sequence[dict[str, Any]], step_from: int) -> list[IterationSample]:
-    out = []
-    for it in raw:
-        if int(it["step"]) < step_from:
-            continue
-        out.append(
-            IterationSample(
-                step=int(it["step"]),
-                start_s=float(it["start"]),
-                end_s=float(it["end"]),
-                num_prefill_tokens=int(it.get("num_prefill_tokens", 0)),
-                num_decode_tokens=int(it.get("num_decode_tokens", 0)),
-                num_seqs=int(it.get("num_seqs", 0)),
-                cache_queries=int(it.get("cache_queries", 0)),
-                cache_hits=int(it.get("cache_hits", 0)),
-                preempted_cache_queries=int(it.get("preempted_cache_queries", 0)),
-                preempted_cache_hits=int(it.get("preempted_cache_hits", 0)),
-                num_prefill_seqs=int(it.get("num_prefill_seqs", 0)),
-                prefill_attention_pairs=int(it.get("prefill_attention_pairs", 0)),
-                num_decode_seqs=int(it.get("num_decode_seqs", 0)),
-                decode_context_tokens=int(it.get("decode_context_tokens", 0)),
-                num_sampled=int(it.get("num_sampled", 0)),
-                forward_s=float(it.get("forward_s", 0.0)),
-            )
-        )
-    return out
+    return [IterationSample.from_record(it) for it in raw if int(it["step"]) >= step_from]
 
 
 def warmup_prompt(first: WorkloadRequest) -> list[int]:

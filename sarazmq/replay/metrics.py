@@ -27,14 +27,15 @@ linear interpolation); an empty one has count 0 and None elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from sarazmq.perf.shape import IterationShape
+from sarazmq.perf.shape import IterationShape, shape_of_fields
 
 PERCENTILES = (50, 90, 99)
 
@@ -100,16 +101,24 @@ class IterationSample:
     def duration_s(self) -> float:
         return self.end_s - self.start_s
 
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any], **override: Any) -> IterationSample:
+        """The sample of one scheduler `IterationRecord` as a dict (the stats answer's
+        form; start/end are named without _s there). Missing counters are 0."""
+        values: dict[str, Any] = {
+            "step": int(rec["step"]),
+            "start_s": float(rec["start"]),
+            "end_s": float(rec["end"]),
+        }
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                default = 0 if f.default is dataclasses.MISSING else f.default
+                values[f.name] = type(default)(rec.get(f.name, default))
+        return cls(**{**values, **override})
+
     def shape(self) -> IterationShape:
         """The iteration's shape (what the latency model predicts from)."""
-        return IterationShape(
-            num_prefill_tokens=self.num_prefill_tokens,
-            num_prefill_seqs=self.num_prefill_seqs,
-            prefill_attention_pairs=self.prefill_attention_pairs,
-            num_decode_seqs=self.num_decode_seqs,
-            decode_context_tokens=self.decode_context_tokens,
-            num_sampled=self.num_sampled,
-        )
+        return shape_of_fields(self)
 
 
 @dataclass(frozen=True)

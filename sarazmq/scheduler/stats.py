@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from sarazmq.perf.shape import IterationShape
+from sarazmq.perf.shape import IterationShape, shape_of_fields
 
 MAX_ITERATION_RECORDS = 200_000
 
@@ -40,14 +40,7 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
 
     def shape(self) -> IterationShape:
         """The iteration's shape (what the latency model predicts from)."""
-        return IterationShape(
-            num_prefill_tokens=self.num_prefill_tokens,
-            num_prefill_seqs=self.num_prefill_seqs,
-            prefill_attention_pairs=self.prefill_attention_pairs,
-            num_decode_seqs=self.num_decode_seqs,
-            decode_context_tokens=self.decode_context_tokens,
-            num_sampled=self.num_sampled,
-        )
+        return shape_of_fields(self)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 from tqdm import tqdm
 
 from sarazmq.perf.model import LatencyModel
@@ -138,24 +139,7 @@ class _Prompts:
 
 
 def _sample(rec: IterationRecord, duration: float) -> IterationSample:
-    return IterationSample(
-        step=rec.step,
-        start_s=rec.start,
-        end_s=rec.end,
-        num_prefill_tokens=rec.num_prefill_tokens,
-        num_decode_tokens=rec.num_decode_tokens,
-        num_seqs=rec.num_seqs,
-        cache_queries=rec.cache_queries,
-        cache_hits=rec.cache_hits,
-        preempted_cache_queries=rec.preempted_cache_queries,
-        preempted_cache_hits=rec.preempted_cache_hits,
-        num_prefill_seqs=rec.num_prefill_seqs,
-        prefill_attention_pairs=rec.prefill_attention_pairs,
-        num_decode_seqs=rec.num_decode_seqs,
-        decode_context_tokens=rec.decode_context_tokens,
-        num_sampled=rec.num_sampled,
-        forward_s=duration,
-    )
+    return IterationSample.from_record(msgspec.structs.asdict(rec), forward_s=duration)
 
 
 def _record(req: Request, wr: WorkloadRequest) -> RequestRecord:
@@ -221,6 +205,20 @@ def simulate(
     else:
         clock = SimClock(0.0)
         scheduler.clock = clock
+    predict = latency.predict
+    # a TBT budget's calibration runs before the first request, as in a deployment (where
+    # it runs before the replay's warm-up): the workload's time starts after it
+    while scheduler.calibrating:
+        plan = scheduler.schedule()
+        if plan is None:
+            break
+        clock.now += predict(scheduler.inflight_shape) + overhead_s
+        sampled = [s.seq_id for s in plan.scheduled if s.sample]
+        scheduler.process_result(
+            StepResult(step=plan.step, seq_ids=sampled, token_ids=[DUMMY_TOKEN] * len(sampled))
+        )
+    offset = clock.now
+    arrivals = [offset + a for a in arrivals]
     prompts = _Prompts(exact_prompts, scheduler.blocks.enable_caching, len(requests))
     n = len(requests)
     records: list[RequestRecord | None] = [None] * n
@@ -229,7 +227,6 @@ def simulate(
     bar = tqdm(total=n, desc="simulate", unit="req", disable=not progress, dynamic_ncols=True)
     done = 0
     nxt = 0  # next request to arrive
-    predict = latency.predict
     try:
         while True:
             now = clock.now
