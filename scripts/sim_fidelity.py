@@ -27,8 +27,8 @@ MOONCAKE = str(TRACES / "mooncake_conversation_trace.jsonl")
 # name -> (trace, fitting flags). The first one trains the model, none was tuned on.
 WORKLOADS: dict[str, list[str]] = {
     "conv-train": [CONV, "--start", "0", "--time-scale", "5", "--length-scale", "0.25"],
-    "conv-later": [CONV, "--start", "9000", "--time-scale", "4", "--length-scale", "0.25"],
-    "code-bursty": [CODE, "--start", "2000", "--time-scale", "3", "--length-scale", "0.3"],
+    "conv-later": [CONV, "--start", "9000", "--time-scale", "8", "--length-scale", "0.25"],
+    "code-bursty": [CODE, "--start", "4000", "--time-scale", "10", "--length-scale", "0.3"],
     "mooncake": [MOONCAKE, "--start", "500", "--time-scale", "3", "--length-scale", "0.04"],
 }
 COMMON = ["--max-input-tokens", "1536", "--max-output-tokens", "128", "--no-progress"]
