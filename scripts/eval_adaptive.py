@@ -85,8 +85,9 @@ def main() -> None:
             max_input_tokens=1536,
             max_output_tokens=128,
         )
-        geo = {"block_size": 16, "num_blocks": 8192, "max_model_len": 8192}
-        setups.append(("CPU (this machine)", model, info, geo, cpu_mix, (0.15, 0.3, 0.6), 0.1))
+        # the default engine's pool and context on this machine; its max_num_seqs
+        geo = {"block_size": 16, "num_blocks": 7478, "max_model_len": 8192}
+        setups.append(("CPU (this machine)", model, info, geo, cpu_mix, (0.15, 0.3, 0.6), 0.1, 64))
     model, info = load_latency_model(None, "a100", "mistral-7b")
     gpu_mix = MixSpec(
         vocab_size=32000,
@@ -95,9 +96,9 @@ def main() -> None:
         num_requests=args.requests,
     )
     geo = {"block_size": 16, "num_blocks": 27551, "max_model_len": 8192}
-    setups.append(("A100 Mistral-7B", model, info, geo, gpu_mix, (0.05, 0.1, 0.2), 0.5))
+    setups.append(("A100 Mistral-7B", model, info, geo, gpu_mix, (0.05, 0.1, 0.2), 0.5, 128))
     results = []
-    for name, latency, info, geo, mix, slos, lo in setups:
+    for name, latency, info, geo, mix, slos, lo, seqs in setups:
         overhead = float(info.get("overhead_s", 0.0))
         loads = {
             "steady 25 % long": lambda q, m=mix: build_mixed_workload(m, share=0.25, qps=q, seed=0),
@@ -107,9 +108,9 @@ def main() -> None:
             for slo in slos:
                 fixed = {}
                 for c in CHUNKS:
-                    kw = {"scheduler": "sarathi", "chunk_size": c, "max_num_seqs": 128}
+                    kw = {"scheduler": "sarathi", "chunk_size": c, "max_num_seqs": seqs}
                     fixed[c] = capacity(workload, latency, geo, overhead, kw, slo, lo)
-                kw = {"scheduler": "sarathi", "chunk_size": UPPER, "max_num_seqs": 128}
+                kw = {"scheduler": "sarathi", "chunk_size": UPPER, "max_num_seqs": seqs}
                 adaptive = capacity(
                     workload, latency, geo, overhead, {**kw, "tbt_slo": slo}, slo, lo
                 )

@@ -167,6 +167,41 @@ def test_same_decisions_as_the_engine(tiny_model: str, policy: str, arrivals: st
         assert batches(fast.iterations) != batches(real)
 
 
+def test_fitted_model_predicts_an_unseen_workload(tiny_model: str) -> None:
+    """Fidelity, loosely: a latency model fitted on one real run's iterations simulates
+    another workload (other lengths, all at once: time-bound, not arrival-bound) within
+    40 % of the real makespan and mean iteration time. The iterations of this tiny model
+    last a few milliseconds on a shared machine, hence the loose bound;
+    scripts/sim_fidelity.py checks the full-size model on real traces."""
+    from sarazmq.perf.linear import fit_latency_model
+
+    engine_kw = {"scheduler": "sarathi", "chunk_size": 48, "max_num_seqs": 16,
+                 "block_size": 4, "num_kv_blocks": 600, "max_model_len": 256, "seed": 0}  # fmt: skip
+
+    def workload(seed: int, inputs: tuple[int, int]) -> list[WorkloadRequest]:
+        return build_workload(
+            WorkloadSpec(
+                vocab_size=128, avoid_ids=(0,), lengths="uniform", input_range=inputs,
+                output_range=(4, 24), max_requests=40, arrivals="all_at_once", seed=seed,
+            )
+        )  # fmt: skip
+
+    _, train = _run_engine(tiny_model, workload(3, (8, 120)), engine_kw)
+    model = fit_latency_model([r.shape() for r in train], [r.end - r.start for r in train])
+    test_reqs = workload(4, (20, 200))
+    t0, real = _run_engine(tiny_model, test_reqs, engine_kw)
+    sim = simulate_workload(
+        test_reqs, {"scheduler": "sarathi", "chunk_size": 48, "max_num_seqs": 16}, model,
+        block_size=4, num_blocks=600, max_model_len=256, seed=0,
+    )  # fmt: skip
+    assert len(sim.iterations) == len(real)  # all at once: the decisions do not depend on time
+    real_makespan = real[-1].end - t0
+    assert sim.sim_time_s == pytest.approx(real_makespan, rel=0.4)
+    real_mean = sum(r.end - r.start for r in real) / len(real)
+    sim_mean = sum(it.duration_s for it in sim.iterations) / len(sim.iterations)
+    assert sim_mean == pytest.approx(real_mean, rel=0.4)
+
+
 # ---------------------------------------------------------------------------- the commands
 
 
