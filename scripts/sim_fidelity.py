@@ -1,9 +1,10 @@
 """Simulator fidelity on this machine: simulated vs replayed serving of untuned workloads.
 
 1. replays every workload below on a real deployment (`sarazmq replay`, default engine);
-2. fits the latency model on the first workload's iterations, held out on the second
-   (`sarazmq profile --from-runs`);
-3. simulates every other workload with that model (`sarazmq simulate --profile`), with
+2. builds two latency models of this machine: the grid profile (`sarazmq profile`: 45
+   shapes timed on the engine, no workload) and a fit on the first workload's iterations,
+   held out on the second (`sarazmq profile --from-runs`);
+3. simulates every other workload with each model (`sarazmq simulate --profile`), with
    the real run's KV pool and context, and prints simulated / replayed for P50/P99 TBT,
    P50/P99 TTFT and output throughput.
 
@@ -66,10 +67,12 @@ def main() -> None:
         if not (run / "summary.json").is_file():
             sarazmq("replay", *flags, *COMMON, *n, "--output-dir", str(run))
     names = list(WORKLOADS)
-    fit = out / "fit.json"
-    if not fit.is_file():
+    models = {"grid": out / "grid_profile.json", "runs": out / "fit.json"}
+    if not models["grid"].is_file():
+        sarazmq("profile", "--output", str(models["grid"]))
+    if not models["runs"].is_file():
         sarazmq(
-            "profile", "--output", str(fit),
+            "profile", "--output", str(models["runs"]),
             "--from-runs", str(out / "real" / names[0]),
             "--from-runs", str(out / "real" / names[1]),
         )  # fmt: skip
@@ -77,28 +80,32 @@ def main() -> None:
     for name in names[1:]:
         real = json.loads((out / "real" / name / "summary.json").read_text())
         engine = real["settings"]["engine"]
-        sim_dir = out / "sim" / name
-        if not (sim_dir / "summary.json").is_file():
-            sarazmq(
-                "simulate", *WORKLOADS[name], *COMMON, *n,
-                "--profile", str(fit), "--output-dir", str(sim_dir), "--no-plots",
-                "--num-kv-blocks", str(engine["cache"]["num_blocks"]),
-                "--max-model-len", str(engine["scheduler"]["max_model_len"]),
-            )  # fmt: skip
-        sim = json.loads((sim_dir / "summary.json").read_text())
+        sims = {}
+        for model, path in models.items():
+            sim_dir = out / f"sim-{model}" / name
+            if not (sim_dir / "summary.json").is_file():
+                sarazmq(
+                    "simulate", *WORKLOADS[name], *COMMON, *n,
+                    "--profile", str(path), "--output-dir", str(sim_dir), "--no-plots",
+                    "--num-kv-blocks", str(engine["cache"]["num_blocks"]),
+                    "--max-model-len", str(engine["scheduler"]["max_model_len"]),
+                )  # fmt: skip
+            sims[model] = json.loads((sim_dir / "summary.json").read_text())
         for label, path, scale in METRICS:
-            r, s = value(real, path) * scale, value(sim, path) * scale
-            rows.append((name, label, r, s, s / r if r else float("nan")))
-    err = json.loads(fit.read_text())["error"]["test"]
-    print(
-        f"\nlatency model fitted on {names[0]}, held-out iteration error on {names[1]}: "
-        f"MAPE {err['mape']:.1f} %, P95 {err['p95_abs_pct_error']:.1f} %\n"
-    )
-    print(f"{'workload':<12} {'metric':<14} {'replayed':>10} {'simulated':>10} {'sim/real':>9}")
-    for name, label, r, s, ratio in rows:
-        print(f"{name:<12} {label:<14} {r:>10.1f} {s:>10.1f} {ratio:>9.2f}")
-    worst = max(abs(r[4] - 1) for r in rows)
-    print(f"\nworst |sim/real - 1|: {worst * 100:.0f} %")
+            r = value(real, path) * scale
+            rows.append((name, label, r, *(value(sims[m], path) * scale / r for m in models)))
+    for model, path in models.items():
+        err = json.loads(path.read_text())["error"]["test"]
+        print(
+            f"latency model '{model}': held-out iteration error MAPE {err['mape']:.1f} %, "
+            f"P95 {err['p95_abs_pct_error']:.1f} %"
+        )
+    print(f"\n{'workload':<12} {'metric':<14} {'replayed':>10} {'grid/real':>10} {'runs/real':>10}")
+    for name, label, r, grid, runs in rows:
+        print(f"{name:<12} {label:<14} {r:>10.1f} {grid:>10.2f} {runs:>10.2f}")
+    for i, model in enumerate(models):
+        worst = max(abs(row[3 + i] - 1) for row in rows)
+        print(f"worst |sim/real - 1| with the {model} model: {worst * 100:.0f} %")
 
 
 if __name__ == "__main__":
