@@ -565,3 +565,22 @@ def test_quick_sweep_on_a_real_deployment(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "2 already in points.jsonl (skipped), 0 to run" in r.output
     assert "deployment sarathi" not in r.output
+
+
+def test_cli_simulated_sweep_passes_the_tbt_target_to_sarathi_only(tmp_path: Path) -> None:
+    """--tbt-slo reaches the simulated sarathi points (their chunk is then an upper bound)
+    and is left off the policies that have no budget to adapt, instead of failing them."""
+    out = tmp_path / "out"
+    args = ["sweep", "--simulate", "--gpu", "a100", "--arch", "mistral-7b",
+            "--policies", "sarathi,vllm", "--chunks", "512", "--shares", "0.25",
+            "--qps", "2", "--short-input", "64", "--long-input", "1500",
+            "--output-tokens", "16", "--num-requests", "12", "--tbt-slo", "0.05",
+            "--keep-runs", "--output-dir", str(out)]  # fmt: skip
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    engines = {
+        d.name.split("_")[0]: json.loads((d / "summary.json").read_text())["settings"]["engine"]
+        for d in (out / "points").iterdir()
+    }
+    assert engines["sarathi"]["tbt_slo"] == 0.05
+    assert engines["vllm"]["tbt_slo"] == 0.0

@@ -91,6 +91,7 @@ def sim_backend_of(
         seed=kw["seed"],
         overhead_s=info.get("overhead_s", 0.0),
         latency_info=info,
+        tbt_slo=kw["tbt_slo"],
     )
     keep = False if kw["keep_runs"] is None else kw["keep_runs"]
     settings = SweepSettings(

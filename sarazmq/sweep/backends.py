@@ -103,7 +103,12 @@ def real_backend(
 
     @contextlib.contextmanager
     def open_engine(policy: str, chunk: int) -> Iterator[Engine]:
-        sched = replace(base.scheduler, policy=policy, chunk_size=chunk)
+        # a TBT target (--tbt-slo) adapts the sarathi chunk; the other policies have none
+        tbt = base.scheduler.tbt_slo if policy == "sarathi" else 0.0
+        profile = base.scheduler.latency_profile if tbt else ""
+        sched = replace(
+            base.scheduler, policy=policy, chunk_size=chunk, tbt_slo=tbt, latency_profile=profile
+        )
         config = replace(base, scheduler=sched)
         with target(None, config, deployment) as (endpoint, engine):
             on_ready(f"deployment {policy} chunk {chunk} ready")
@@ -128,6 +133,7 @@ class SimSetup:
     seed: int = 0
     overhead_s: float = 0.0
     latency_info: Mapping[str, Any] = field(default_factory=dict)
+    tbt_slo: float = 0.0  # the sarathi points' TBT target (--tbt-slo; 0 = fixed chunk)
 
 
 class _SimEngine:
@@ -138,6 +144,7 @@ class _SimEngine:
             "chunk_size": chunk,
             "max_num_seqs": setup.max_num_seqs,
             "enable_prefix_caching": setup.enable_prefix_caching,
+            "tbt_slo": setup.tbt_slo if policy == "sarathi" else 0.0,
         }
 
     def run(
