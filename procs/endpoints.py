@@ -2,7 +2,9 @@
 
 Internal sockets are ipc files in the deployment's private 0700 run directory. The public
 endpoint is ipc:// anywhere, or tcp:// on loopback, or tcp:// on any address only with
-CurveZMQ keys (vLLM's CVE-2025-30202 was a socket bound to tcp://* without them).
+CurveZMQ keys (vLLM's CVE-2025-30202 was a socket bound to tcp://* without them). A
+multi-node deployment adds the node link (tcp, master_port + 1, same rule) and uses
+master_addr:master_port for torch.distributed's rendezvous.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import socket
 
 import msgspec
 
-from sarazmq.config import CurveKeys
+from sarazmq.config import CurveKeys, DeploymentConfig, EngineConfig
 
 
 class Endpoints(msgspec.Struct):
@@ -28,6 +30,10 @@ class Endpoints(msgspec.Struct):
     detokenizers: list[str]
     launcher: str
     dist_init: str
+    # multi-node only: the node link's tcp endpoint (the head binds it, nodes connect)
+    # and the head's nodelink process's control socket (from the launcher)
+    link: str = ""
+    link_control: str = ""
 
 
 def free_tcp_port() -> int:
@@ -36,11 +42,66 @@ def free_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
+def world_size(config: EngineConfig) -> int:
+    """How many worker processes (ranks) a deployment runs: tp x pp."""
+    return config.tensor_parallel_size * config.pipeline_parallel_size
+
+
+def node_ranks(num_workers: int, nnodes: int, node_rank: int) -> range:
+    """The global worker ranks node `node_rank` hosts: an even, contiguous block."""
+    if nnodes < 1 or num_workers % nnodes != 0:
+        raise ValueError(
+            f"--nnodes {nnodes} does not divide the deployment's {num_workers} worker(s) "
+            "(tp x pp): every node hosts the same number of workers"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {node_rank} must be in [0, {nnodes})")
+    per_node = num_workers // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port for a tcp:// endpoint (IPv6 addresses in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def link_endpoint(dep: DeploymentConfig) -> str:
+    """The node link's endpoint: the head binds it, every other node connects to it."""
+    return f"tcp://{host_port(dep.master_addr, dep.master_port + 1)}"
+
+
+def dist_init_method(dep: DeploymentConfig) -> str:
+    """torch.distributed's init method for a multi-node deployment (the head's rank 0
+    hosts the TCP store)."""
+    return f"tcp://{host_port(dep.master_addr, dep.master_port)}"
+
+
+def check_multinode(config: EngineConfig, dep: DeploymentConfig) -> range:
+    """Validates a multi-node deployment's settings; returns this node's worker ranks."""
+    ranks = node_ranks(world_size(config), dep.nnodes, dep.node_rank)
+    if dep.nnodes > 1:
+        try:
+            check_public_endpoint(link_endpoint(dep), dep.curve)
+        except ValueError:
+            raise ValueError(
+                f"refusing a node link on non-loopback --master-addr {dep.master_addr!r} "
+                "without CurveZMQ keys: anyone who can reach it could join as a node. "
+                "Generate keys with `sarazmq keys` and give every node --curve-key-file"
+            ) from None
+    return ranks
+
+
 def make_endpoints(
-    rundir: str, public: str | None, num_workers: int, num_detokenizers: int
+    rundir: str,
+    public: str | None,
+    num_workers: int,
+    num_detokenizers: int,
+    dist_init: str | None = None,
+    link: str = "",
 ) -> Endpoints:
     """The deployment's endpoints: ipc files in `rundir` (the public one too unless
-    given) and a fresh loopback port for torch.distributed's rendezvous."""
+    given); dist_init: torch.distributed's rendezvous (default: a fresh loopback port);
+    link: the node link of a multi-node deployment."""
     ipc = f"ipc://{rundir}"
     return Endpoints(
         public=public or f"{ipc}/public.ipc",
@@ -50,7 +111,9 @@ def make_endpoints(
         worker_result=f"{ipc}/result.ipc",
         detokenizers=[f"{ipc}/detok{i}.ipc" for i in range(num_detokenizers)],
         launcher=f"{ipc}/launcher.ipc",
-        dist_init=f"tcp://127.0.0.1:{free_tcp_port()}",
+        dist_init=dist_init or f"tcp://127.0.0.1:{free_tcp_port()}",
+        link=link,
+        link_control=f"{ipc}/nodelink.ipc" if link else "",
     )
 
 

@@ -8,6 +8,12 @@ stop() drains first: the frontend refuses new requests, lets in-flight ones fini
 up to drain_timeout seconds, aborts the rest, and then every child exits 0 on SIGTERM.
 Children die with the launcher (PR_SET_PDEATHSIG), so even a kill -9 of the launcher
 leaves no process behind.
+
+A multi-node deployment (`DeploymentConfig.nnodes` > 1) runs this on the head (node 0)
+with only the head's share of the workers, plus the node link (`sarazmq.procs.nodelink`),
+a child like the others: it is READY once every other node's workers are, and a lost
+node ends it, which fails the in-flight requests and stops or restarts the deployment
+as any dead child does. The other nodes run `sarazmq.procs.node.NodeAgent`.
 """
 
 from __future__ import annotations
@@ -29,10 +35,15 @@ from sarazmq.procs.endpoints import (
     Endpoints,
     check_http_bind,
     check_ipc_free,
+    check_multinode,
     check_public_endpoint,
+    dist_init_method,
     ipc_path,
+    link_endpoint,
     make_endpoints,
+    world_size,
 )
+from sarazmq.procs.nodelink import tell_nodelink_stopping
 from sarazmq.procs.sockets import pull_socket, push_socket
 from sarazmq.procs.spawn import (
     Child,
@@ -43,7 +54,12 @@ from sarazmq.procs.spawn import (
     stop_children,
 )
 from sarazmq.protocol.engine import Drain, EngineDead
-from sarazmq.protocol.launcher import Drained, LauncherInbound
+from sarazmq.protocol.launcher import (
+    Drained,
+    Failed,
+    LauncherInbound,
+    NodesJoined,
+)
 from sarazmq.resolve import resolve_engine_config
 
 log = logging.getLogger("sarazmq.launcher")
@@ -67,6 +83,13 @@ class Deployment:
             check_public_endpoint(self.deployment.endpoint, self.deployment.curve)
             check_ipc_free(self.deployment.endpoint)
         self.config, self.model_config = resolve_engine_config(config)
+        if self.deployment.node_rank != 0:
+            raise ValueError(
+                "a node with --node-rank > 0 runs only its workers: use "
+                "sarazmq.procs.node.NodeAgent (`sarazmq serve` does)"
+            )
+        # the head's workers (all of them on a single node)
+        self.local_ranks = check_multinode(self.config, self.deployment)
         self.rundir = tempfile.mkdtemp(prefix="sarazmq-")  # mode 0700: only we can enter
         self.endpoints = self._make_endpoints()
         self.children: list[Child] = []
@@ -79,18 +102,26 @@ class Deployment:
         self._ctx = zmq.Context()
         self._launcher: zmq.Socket | None = None
         self._decoder = msgspec.msgpack.Decoder(LauncherInbound)
+        self._reports: list[Failed] = []  # why children failed, before they exited
         self._stop_requested = threading.Event()
         self._drain_on_stop = True
         self._watcher: threading.Thread | None = None
         self._done = threading.Event()
         self._cleaned = False
 
+    @property
+    def multinode(self) -> bool:
+        return self.deployment.nnodes > 1
+
     def _make_endpoints(self) -> Endpoints:
+        dep = self.deployment
         return make_endpoints(
             self.rundir,
-            self.deployment.endpoint,
-            self.config.tensor_parallel_size,
-            self.deployment.num_detokenizers,
+            dep.endpoint,
+            world_size(self.config),
+            dep.num_detokenizers,
+            dist_init=dist_init_method(dep) if self.multinode else None,
+            link=link_endpoint(dep) if self.multinode else "",
         )
 
     @property
@@ -123,13 +154,22 @@ class Deployment:
     def _start_children(self) -> None:
         if self._launcher is None:
             raise DeploymentError("the launcher socket is not bound (call start())")
-        tp = self.config.tensor_parallel_size
         cores = os.cpu_count() or 1
-        worker_threads = self.config.num_threads or max(1, cores // tp)
+        worker_threads = self.config.num_threads or max(1, cores // len(self.local_ranks))
         self.children = []
         self.pids = {}
-        for r in range(tp):
-            self._spawn("worker", r, worker_threads)
+
+        def spawn_workers(msg: LauncherInbound | None = None) -> None:
+            if msg is None or isinstance(msg, NodesJoined):
+                for r in self.local_ranks:
+                    self._spawn("worker", r, worker_threads)
+
+        # several nodes: the head's workers (rank 0 hosts torch.distributed's rendezvous,
+        # which waits a bounded time for every rank) start once every node has joined
+        if self.multinode:
+            self._spawn("nodelink", 0, 1)
+        else:
+            spawn_workers()
         self._spawn("scheduler", 0, 1)
         for i in range(self.deployment.num_detokenizers):
             self._spawn("detokenizer", i, 1)
@@ -137,7 +177,11 @@ class Deployment:
         if self.deployment.http_port is not None:
             self._spawn("api", 0, 1)
         await_ready(
-            self._launcher, self.children, self.deployment.ready_timeout, self._stop_requested
+            self._launcher,
+            self.children,
+            self.deployment.ready_timeout,
+            self._stop_requested,
+            spawn_workers if self.multinode else None,
         )
 
     def start(self) -> str:
@@ -170,6 +214,8 @@ class Deployment:
         try:
             while launcher is not None:
                 if self._stop_requested.is_set():
+                    if self.multinode:  # the nodes learn that it is no failure
+                        tell_nodelink_stopping(self._ctx, self.endpoints.link_control)
                     if self._drain_on_stop:
                         self._drain(launcher)
                     self._kill_children()
@@ -180,8 +226,10 @@ class Deployment:
                         return
                     continue
                 if launcher.poll(100):
-                    # late READYs etc.: nothing to do
-                    decode_launcher_message(self._decoder, launcher.recv())
+                    # late READYs etc.: nothing to do; a Failed explains a death to come
+                    msg = decode_launcher_message(self._decoder, launcher.recv())
+                    if isinstance(msg, Failed):
+                        self._reports.append(msg)
         except Exception:  # noqa: BLE001 - the watcher must always leave a clean state
             log.exception("supervisor failed")
             self.failure = self.failure or "supervisor failed"
@@ -194,7 +242,7 @@ class Deployment:
         """Fails in-flight requests, stops the rest; True if the deployment restarted."""
         code = dead.popen.returncode
         how = f"signal {-code}" if code < 0 else f"code {code}"
-        self.failure = f"{dead.name} (pid {dead.popen.pid}) exited with {how}"
+        self.failure = self._lost_node() or f"{dead.name} (pid {dead.popen.pid}) exited with {how}"
         self.failures.append(self.failure)
         log.error("%s; stopping the deployment", self.failure)
         self._tell_frontend_dead(dead.name)
@@ -212,6 +260,7 @@ class Deployment:
             self.deployment.max_restarts,
         )
         self._remove_ipc_files()
+        self._drain_launcher_socket()
         # same paths (the launcher socket stays bound), a fresh torch.distributed port
         self.endpoints = self._make_endpoints()
         try:
@@ -224,6 +273,30 @@ class Deployment:
         self.failure = ""
         log.warning("restarted; serving on %s", self.endpoint)
         return True
+
+    def _lost_node(self) -> str:
+        """Multi-node: why a node was lost, if the node link says so within about a
+        heartbeat ("" if not). A lost node is the cause of whatever died with it (a head
+        worker's collective with the node's ranks breaks at once)."""
+        reports, self._reports = self._reports, []
+        deadline = time.monotonic() + 1.2
+        while self.multinode and self._launcher is not None and time.monotonic() < deadline:
+            lost = [m for m in reports if m.name.startswith("node-")]
+            if lost:
+                return lost[0].error
+            if self._launcher.poll(50):
+                msg = decode_launcher_message(self._decoder, self._launcher.recv())
+                if isinstance(msg, Failed):
+                    reports.append(msg)
+        lost = [m for m in reports if m.name.startswith("node-")]
+        return lost[0].error if lost else ""
+
+    def _drain_launcher_socket(self) -> None:
+        """Drops what the stopped processes sent, so a restart's READY wait sees only
+        the new ones."""
+        while self._launcher is not None and self._launcher.poll(0):
+            self._launcher.recv()
+        self._reports = []
 
     def _tell_frontend_dead(self, dead_name: str) -> None:
         if dead_name.startswith("frontend"):

@@ -1,4 +1,8 @@
-"""Scheduler process: control in, one BatchPlan per iteration out to every worker, deltas out."""
+"""Scheduler process: control in, BatchPlans out to every worker, deltas out.
+
+Up to `pipeline_parallel_size` plans are in flight (one per stage); the last stage's
+driver answers them in order.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     stalled = False
     try:
         while True:
-            want_plan = service.in_flight is None and scheduler.has_unfinished() and not stalled
+            want_plan = service.can_plan and scheduler.has_unfinished() and not stalled
             events = dict(poller.poll(0 if want_plan else 200))
             acts = SchedulerActions()
             if inbound in events:
@@ -58,10 +62,16 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
                     except zmq.Again:
                         break
                     service.on_inbound(in_decoder.decode(frame), acts)
-            if service.in_flight is not None and results in events:
+            if service.in_flight and results in events:
                 stalled = False
-                service.on_result(result_decoder.decode(results.recv()), acts)
-            if service.in_flight is None and scheduler.has_unfinished() and not stalled:
+                while service.in_flight:
+                    try:
+                        frame = results.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    service.on_result(result_decoder.decode(frame), acts)
+            # fill the pipeline: one plan per free slot (a request is in at most one)
+            while service.can_plan and scheduler.has_unfinished() and not stalled:
                 plan = service.next_plan()
                 if plan is None:
                     stalled = True

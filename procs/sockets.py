@@ -61,3 +61,55 @@ def public_router(
         # already 0600 (the process umask is 077); say so explicitly for a given path
         os.chmod(endpoint[len("ipc://") :], 0o600)
     return sock
+
+
+# the node link carries plans (a new request's prompt travels once), results and control
+MAX_LINK_FRAME_BYTES = 256 * 1024 * 1024
+
+
+def link_router(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zmq.Socket:
+    """The head's end of the node link: a ROUTER whose sends to a node that is gone or
+    not reading fail (EHOSTUNREACH / EAGAIN) instead of being dropped or blocking.
+
+    With `curve`, a CurveZMQ server; the caller must run a ZAP authenticator on `ctx`
+    that admits only the deployment's own public key (`NodeKeyCheck`)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_LINK_FRAME_BYTES)
+    if curve is not None:
+        sock.curve_server = True
+        sock.curve_publickey = curve.public.encode()
+        sock.curve_secretkey = curve.secret.encode()
+    sock.bind(endpoint)
+    return sock
+
+
+def link_dealer(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zmq.Socket:
+    """A node's end of the node link: a DEALER that queues only to a connection whose
+    handshake completed (a send before that raises zmq.Again instead of piling up).
+
+    With `curve`, it presents the deployment's keypair as its own key (the head admits
+    only that key, so only holders of the secret key file can join) and expects the
+    head to hold it too."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_LINK_FRAME_BYTES)
+    if curve is not None:
+        sock.curve_serverkey = curve.public.encode()
+        sock.curve_publickey = curve.public.encode()
+        sock.curve_secretkey = curve.secret.encode()
+    sock.connect(endpoint)
+    return sock
+
+
+class NodeKeyCheck:
+    """ZAP credentials provider for the node link: admits a CurveZMQ client only if its
+    key is the deployment's own public key."""
+
+    def __init__(self, public: str) -> None:
+        self.public = public.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.public

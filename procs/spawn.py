@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -73,13 +74,17 @@ def await_ready(
     children: list[Child],
     timeout: float,
     stop_requested: threading.Event,
+    on_message: Callable[[LauncherInbound], None] | None = None,
 ) -> None:
     """Returns once every child said READY; raises DeploymentError naming the first one
-    that failed to start (its own reason when it sent one), exited, or timed out."""
+    that failed to start (its own reason when it sent one), exited, or timed out.
+
+    on_message: called with every other message; it may append to `children` (they are
+    then waited for too)."""
     decoder = msgspec.msgpack.Decoder(LauncherInbound)
-    waiting = {c.name for c in children}
+    ready: set[str] = set()
     deadline = time.monotonic() + timeout
-    while waiting:
+    while waiting := {c.name for c in children} - ready:
         if time.monotonic() > deadline:
             raise DeploymentError(f"timed out waiting for {sorted(waiting)} to become ready")
         if stop_requested.is_set():  # e.g. Ctrl-C during a long model load
@@ -89,7 +94,9 @@ def await_ready(
             if isinstance(msg, Failed):
                 raise DeploymentError(f"{msg.name} failed to start: {msg.error}")
             if isinstance(msg, Ready):
-                waiting.discard(msg.name)
+                ready.add(msg.name)
+            elif msg is not None and on_message is not None:
+                on_message(msg)
             continue
         for child in children:
             code = child.popen.poll()

@@ -137,6 +137,9 @@ class EngineConfig:
     # sarazmq.kernels.decode_step), as vLLM's enforce_eager turns off captured graphs
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # pipeline stages: the layers split into this many contiguous groups, one worker group
+    # (of tensor_parallel_size ranks) each; the scheduler keeps this many plans in flight
+    pipeline_parallel_size: int = 1
     num_threads: int = 0
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -152,6 +155,16 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
+        if self.pipeline_parallel_size > 1 and self.scheduler.tbt_slo:
+            # the adaptive budget models a whole iteration's time from its plan's start to
+            # its result; with micro-batches in flight that span includes queueing behind
+            # the other stages, so its predictions would not mean what the target means
+            raise ValueError(
+                f"tbt_slo={self.scheduler.tbt_slo} needs pipeline_parallel_size=1 (got "
+                f"{self.pipeline_parallel_size}): the adaptive budget does not model pipelines"
+            )
 
     @classmethod
     def from_options(
@@ -169,6 +182,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         device: str = "auto",
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         num_threads: int = 0,
         seed: int = 0,
         watermark: float = 0.01,
@@ -186,6 +200,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
             num_threads=num_threads,
             seed=seed,
             scheduler=SchedulerConfig(
@@ -233,6 +248,14 @@ class DeploymentConfig:
     http_port: serve the OpenAI-compatible HTTP API on this port (None: no HTTP server);
         http_host: its address (a non-loopback one needs api_key); api_key: the bearer key
         its /v1/ routes require; max_body_mb: the largest request body it reads.
+    nnodes / node_rank / master_addr / master_port: a deployment over several machines
+        (docs/MULTINODE.md). Node 0 (the head) runs the frontend, scheduler, detokenizers
+        and its share of the workers; node r > 0 runs only its workers, which join the
+        head. The workers (tp x pp ranks) are split evenly, node r hosting a contiguous
+        block. master_addr:master_port is torch.distributed's TCP rendezvous (the head's
+        rank 0 hosts it); master_port + 1 is the node link (join, heartbeats, plans and
+        results), CurveZMQ-encrypted with `curve` (required unless master_addr is
+        loopback). Every node gets the same keys, which authenticate the nodes too.
     """
 
     endpoint: str | None = None
@@ -250,9 +273,18 @@ class DeploymentConfig:
     http_host: str = "127.0.0.1"
     api_key: str | None = field(default=None, repr=False)
     max_body_mb: float = 4.0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, Any]] = [
+            (self.nnodes >= 1, "nnodes", ">= 1"),
+            (0 <= self.node_rank < self.nnodes, "node_rank", f"in [0, nnodes={self.nnodes})"),
+            (bool(self.master_addr.strip()), "master_addr", "a host name or address"),
+            # master_port + 1 is the node link
+            (1 <= self.master_port <= 65534, "master_port", "in [1, 65534]"),
             (self.http_port is None or 0 <= self.http_port < 65536, "http_port", "in [0, 65535]"),
             (self.max_body_mb > 0, "max_body_mb", "> 0"),
             (self.num_detokenizers >= 1, "num_detokenizers", ">= 1"),

@@ -4,6 +4,10 @@
 processes, built by the same functions: `PromptTokenizer` (frontend), `Scheduler`
 (`build_scheduler`), `ModelRunner` (worker rank 0, `build_model_runner`) and
 `DetokenizerService`. One `step()` is one iteration: plan, execute, update, detokenize.
+
+With pipeline_parallel_size > 1 every stage runs in this process, one after another
+(`InProcessPipeline`): the same results and the same micro-batching (up to pp plans in
+flight, a request in at most one) as a deployment, without the stages' overlap.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,11 +25,14 @@ from sarazmq.frontend.prompts import PromptTokenizer
 from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.outputs import RequestOutput
 from sarazmq.protocol.common import FINISH_ERROR
+from sarazmq.protocol.worker import StepResult
 from sarazmq.resolve import resolve_engine_config
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.build import build_scheduler
 from sarazmq.validation import InvalidRequestError
 from sarazmq.worker.build import build_model_runner
+from sarazmq.worker.inprocess import InProcessPipeline, build_in_process_pipeline
+from sarazmq.worker.model_runner import ModelRunner
 
 Prompt = str | Sequence[int]
 
@@ -34,13 +42,22 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tensor_parallel_size != 1:
-            raise ValueError("the in-process engine runs tp=1; use `sarazmq serve --tp N`")
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size}: the in-process engine "
+                "runs tp=1; use `sarazmq serve --tp N`"
+            )
         self.config, self.model_config = resolve_engine_config(config)
         tokenizer = load_tokenizer(resolve_model(self.config.model))
         self.tokenizer = PromptTokenizer(
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len
         )
-        self.runner = build_model_runner(self.config, self.model_config)
+        self.runner: ModelRunner | InProcessPipeline = (
+            build_model_runner(self.config, self.model_config)
+            if self.config.pipeline_parallel_size == 1
+            else build_in_process_pipeline(self.config, self.model_config)
+        )
+        # results of plans still "in flight" (pipeline parallel: up to pp), oldest first
+        self._results: deque[StepResult] = deque()
         self.scheduler = build_scheduler(self.config, self.model_config)
         self.detokenizer = DetokenizerService(tokenizer)
         self.outputs: dict[str, RequestOutput] = {}
@@ -72,7 +89,7 @@ class LLMEngine:
         num_blocks: use only this many of the allocated KV blocks (to study a smaller
         pool without reloading). Used to compare policies on one loaded model.
         """
-        if self.scheduler.has_unfinished():
+        if self.scheduler.has_unfinished() or self._results:
             raise RuntimeError("cannot replace the scheduler while requests are unfinished")
         if config.max_model_len != self.config.scheduler.max_model_len:
             config = dataclasses.replace(config, max_model_len=self.config.scheduler.max_model_len)
@@ -84,15 +101,21 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests left, or results of plans in flight not processed yet."""
+        return self.scheduler.has_unfinished() or bool(self._results)
 
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the outputs of the requests that changed."""
         deltas = list(self.scheduler.drain_finished())
-        plan = self.scheduler.schedule()
-        if plan is not None:
-            result = self.runner.execute(plan)
-            deltas.extend(self.scheduler.process_result(result))
+        # fill the pipeline (one plan without pipeline parallelism), then take the oldest
+        # result, as a deployment's scheduler does
+        while self.scheduler.can_schedule():
+            plan = self.scheduler.schedule()
+            if plan is None:
+                break
+            self._results.append(self.runner.execute(plan))
+        if self._results:
+            deltas.extend(self.scheduler.process_result(self._results.popleft()))
         result = self.detokenizer.detokenize(deltas)
         for rid in result.stop_hits:
             self.scheduler.finish_by_stop_string(rid)

@@ -8,7 +8,7 @@ import os
 import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
-from sarazmq.model.kv_cache import kv_cache_bytes_per_block
+from sarazmq.model.kv_cache import check_pipeline_parallel, kv_cache_bytes_per_block, stage_layers
 from sarazmq.model.loader import load_model_config, resolve_model
 
 
@@ -37,6 +37,8 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
                 f"--tp {tp} does not divide the model's {name}={heads}: tensor parallelism "
                 f"splits attention heads evenly across ranks"
             )
+    pp = config.pipeline_parallel_size
+    check_pipeline_parallel(model_config.num_layers, pp)
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,13 +57,16 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
         raise ValueError(f"block_size={block_size} must be >= 1")
     num_blocks = cache.num_blocks
     if num_blocks <= 0:
+        # the first pipeline stage holds the most layers (see stage_layers)
+        stage_layer_count = len(stage_layers(model_config.num_layers, pp, 0))
         per_block = kv_cache_bytes_per_block(
-            model_config, block_size, getattr(torch, config.dtype), tp
+            model_config, block_size, getattr(torch, config.dtype), tp, stage_layer_count
         )
         budget = available_memory_bytes(device) * cache.memory_fraction
-        # every rank holds 1/tp of each block; budget is per device on CUDA, shared on CPU
+        # every rank holds 1/tp of each block of its stage's layers; budget is per device
+        # on CUDA, shared by all tp x pp ranks on CPU
         if not device.startswith("cuda"):
-            budget /= tp
+            budget /= tp * pp
         by_memory = int(budget // per_block)
         # no point in more than every running request at full context
         by_need = sched.max_num_seqs * -(-max_len // block_size) + 1

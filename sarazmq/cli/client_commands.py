@@ -47,24 +47,49 @@ def _params(max_tokens: int, temperature: float, seed: int | None) -> SamplingPa
 @click.option("--timeout", default=10.0, show_default=True)
 @server_key_option
 def health(endpoint: str, timeout: float, curve_server_key_file: str | None) -> None:
-    """Check a deployment with a real one-token generation: exit 0 if healthy, else 1."""
+    """Check a deployment with a real one-token generation: exit 0 if healthy, else 1.
+
+    The generation runs through every process, every worker rank and so every pipeline
+    stage and node; a multi-node deployment also lists each node (its ranks, stages and
+    last heartbeat), and a node that is not ready makes it unhealthy."""
     from sarazmq.client import Client
 
     with Client(endpoint, **client_kwargs(curve_server_key_file)) as client:
         report = client.health(timeout)
-    if report.healthy:
-        stats = report.stats
-        extra = ""
-        if stats:
-            extra = (
-                f"; {stats.get('num_running', '?')} running, {stats.get('num_waiting', '?')} "
-                f"waiting, {stats.get('num_free_blocks', '?')}/"
-                f"{stats.get('num_total_blocks', '?')} KV blocks free"
-            )
+    if not report.healthy:
+        click.echo(f"unhealthy: {report.reason}")
+        sys.exit(1)
+    stats = report.stats
+    extra = ""
+    if stats:
+        extra = (
+            f"; {stats.get('num_running', '?')} running, {stats.get('num_waiting', '?')} "
+            f"waiting, {stats.get('num_free_blocks', '?')}/"
+            f"{stats.get('num_total_blocks', '?')} KV blocks free"
+        )
+    nodes = stats.get("nodes") or []
+    down = [n for n in nodes if n.get("role") != "head" and not n.get("ready")]
+    if down:
+        names = ", ".join(f"node {n.get('node')}" for n in down)
+        click.echo(f"unhealthy: {names} not ready")
+    else:
         click.echo(f"healthy: one token in {report.latency_s:.2f} s{extra}")
-        sys.exit(0)
-    click.echo(f"unhealthy: {report.reason}")
-    sys.exit(1)
+    for n in nodes:
+        click.echo("  " + _node_line(n))
+    sys.exit(1 if down else 0)
+
+
+def _node_line(node: dict[str, Any]) -> str:
+    """One node of a multi-node deployment, as `health` lists it."""
+    role = "head, " if node.get("role") == "head" else ""
+    line = (
+        f"node {node.get('node')} ({role}{node.get('host') or '?'}): ranks {node.get('ranks')}, "
+        f"stages {node.get('stages')}"
+    )
+    beat = node.get("last_heartbeat_s")
+    if beat is not None:
+        line += f", last heartbeat {beat:.1f} s ago"
+    return line
 
 
 @click.command()

@@ -70,6 +70,13 @@ engine_options = stack(
         "--tp", "tensor_parallel_size", default=1, show_default=True, help="tensor-parallel workers"
     ),
     click.option(
+        "--pp",
+        "pipeline_parallel_size",
+        default=1,
+        show_default=True,
+        help="pipeline stages (the layers split evenly; tp x pp workers in all)",
+    ),
+    click.option(
         "--detokenizers",
         "num_detokenizers",
         default=1,

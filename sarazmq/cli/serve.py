@@ -16,6 +16,7 @@ from sarazmq.config import (
     RESTART_POLICIES,
     CurveKeys,
     DeploymentConfig,
+    EngineConfig,
 )
 
 
@@ -61,6 +62,36 @@ from sarazmq.config import (
     help="also serve the OpenAI-compatible HTTP API on this port",
 )
 @http_options
+@click.option(
+    "--nnodes",
+    default=1,
+    show_default=True,
+    help="machines the deployment spans (the tp x pp workers split evenly over them)",
+)
+@click.option(
+    "--node-rank",
+    default=0,
+    show_default=True,
+    help="this machine's place: 0 = the head (frontend, scheduler, ...), r > 0 = only its workers",
+)
+@click.option(
+    "--master-addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="the head's address, as every node reaches it (non-loopback needs --curve-key-file)",
+)
+@click.option(
+    "--master-port",
+    default=29500,
+    show_default=True,
+    help="torch.distributed's rendezvous on the head; the node link uses this port + 1",
+)
+@click.option(
+    "--ready-timeout",
+    default=600.0,
+    show_default=True,
+    help="seconds every process (and, multi-node, every node) gets to be ready",
+)
 @click.option("--log-level", default="WARNING", show_default=True)
 def serve(
     endpoint: str | None,
@@ -74,13 +105,22 @@ def serve(
     api_key: str | None,
     api_key_file: str | None,
     max_body_mb: float,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    ready_timeout: float,
     log_level: str,
     **kw: Any,
 ) -> None:
     """Start a multi-process deployment and serve until SIGINT/SIGTERM.
 
+    Over several machines: the same command on each, with --nnodes K, the head's
+    --master-addr/--master-port, --node-rank 0 on the head and 1..K-1 on the others
+    (which start only their workers and join the head), and the same --curve-key-file.
+
     Exits 0 after a requested stop (in-flight requests drained), 1 when a process died
-    (and was not, or could no longer be, restarted)."""
+    (and was not, or could no longer be, restarted) or the head refused this node."""
     from sarazmq.procs.launcher import Deployment, DeploymentError
 
     config = engine_config(kw)
@@ -92,23 +132,31 @@ def serve(
 
             public, secret = load_keypair(curve_key_file)
             curve = CurveKeys(public=public.decode(), secret=secret.decode())
-        dep = Deployment(
-            config,
-            DeploymentConfig(
-                endpoint=endpoint,
-                num_detokenizers=kw["num_detokenizers"],
-                curve=curve,
-                log_level=log_level,
-                restart=restart,
-                max_restarts=max_restarts,
-                drain_timeout=drain_timeout,
-                client_timeout=client_timeout,
-                http_port=http_port,
-                http_host=http_host,
-                api_key=key,
-                max_body_mb=max_body_mb,
-            ),
+        deployment = DeploymentConfig(
+            endpoint=endpoint,
+            num_detokenizers=kw["num_detokenizers"],
+            curve=curve,
+            log_level=log_level,
+            restart=restart,
+            max_restarts=max_restarts,
+            drain_timeout=drain_timeout,
+            client_timeout=client_timeout,
+            http_port=http_port,
+            http_host=http_host,
+            api_key=key,
+            max_body_mb=max_body_mb,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            ready_timeout=ready_timeout,
         )
+        if node_rank > 0:
+            if endpoint is not None or http_port is not None:
+                raise ValueError("--endpoint and --http-port are the head's (--node-rank 0)")
+            _serve_node(config, deployment)
+            return
+        dep = Deployment(config, deployment)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
 
@@ -124,7 +172,9 @@ def serve(
     sched = dep.config.scheduler
     click.echo(
         f"sarazmq serving {dep.config.model} ({sched.policy}, chunk {sched.chunk_size}, "
-        f"tp {dep.config.tensor_parallel_size}, {dep.config.cache.num_blocks} KV blocks) on "
+        f"tp {dep.config.tensor_parallel_size} x pp {dep.config.pipeline_parallel_size}"
+        + (f" over {nnodes} nodes" if nnodes > 1 else "")
+        + f", {dep.config.cache.num_blocks} KV blocks) on "
         f"{dep.endpoint}"
         + (" (CurveZMQ)" if curve else "")
         + (f", OpenAI API at {dep.http_url}" if dep.http_url else "")
@@ -146,6 +196,42 @@ def serve(
         bad = {name: rc for name, rc in dep.exit_codes.items() if rc != 0}
         codes = f"exit codes {bad}" if bad else "every process exited 0"
         click.echo(f"sarazmq: {drained}; stopped, {codes}", err=True)
+    sys.exit(code)
+
+
+def _serve_node(config: EngineConfig, deployment: DeploymentConfig) -> None:
+    """`sarazmq serve --node-rank r` (r > 0): this node's workers, joined to the head."""
+    import logging
+
+    from sarazmq.procs.node import NodeAgent, NodeRefused
+
+    logging.basicConfig(
+        level=deployment.log_level,
+        format=f"%(asctime)s node-{deployment.node_rank} %(levelname)s %(message)s",
+    )
+    agent = NodeAgent(config, deployment)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        agent.request_stop()
+
+    def on_ready(node: NodeAgent) -> None:
+        click.echo(
+            f"sarazmq node {deployment.node_rank} of {deployment.nnodes}: workers (ranks "
+            f"{list(node.ranks)}) joined the head at {node.link}"
+            + (" (CurveZMQ)" if deployment.curve else "")
+        )
+        sys.stdout.flush()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        code = agent.run(on_ready)
+    except NodeRefused as e:
+        raise click.ClickException(str(e)) from None
+    if code:
+        click.echo(f"sarazmq: node {deployment.node_rank}: {agent.failure}", err=True)
+    else:
+        click.echo(f"sarazmq: node {deployment.node_rank} stopped", err=True)
     sys.exit(code)
 
 

@@ -1,8 +1,8 @@
 """What the simulating commands share (`simulate`, `capacity --simulate`, `sweep --simulate`):
 the latency source options, the scheduling options, and the simulated engine's geometry.
 
-- `latency_source_options(tp=...)`: --profile, or --gpu and --arch (plus --tp when the
-  command has no engine --tp of its own), and --overhead-ms.
+- `latency_source_options(tp=...)`: --profile, or --gpu and --arch (plus --tp and --pp
+  when the command has no engine --tp/--pp of its own), --pp-link-gbs, and --overhead-ms.
 - `sim_scheduling_options`: the engine options that shape scheduling (--scheduler,
   --chunk-size, --tbt-slo, --max-num-seqs, --block-size, --num-kv-blocks, --max-model-len,
   --prefix-caching, --seed), named as `engine_options` names them so one option dict
@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from sarazmq.cli.options import policy_options, stack
+from sarazmq.perf.pipeline import DEFAULT_PP_LINK_BANDWIDTH
 from sarazmq.replay.workload import WorkloadRequest
 from sarazmq.sim.simulator import SimOutcome
 
@@ -31,8 +32,9 @@ GPU_ELEM_BYTES = 2
 
 
 def latency_source_options(*, tp: bool) -> Any:
-    """--profile | --gpu + --arch, --overhead-ms; with tp=True also --tp (a command with
-    engine options has its own --tp, read under "tensor_parallel_size")."""
+    """--profile | --gpu + --arch, --pp-link-gbs, --overhead-ms; with tp=True also --tp
+    and --pp (a command with engine options has its own, read under
+    "tensor_parallel_size" and "pipeline_parallel_size")."""
     opts = [
         click.option(
             "--profile",
@@ -53,6 +55,25 @@ def latency_source_options(*, tp: bool) -> Any:
                 "--tp", "tensor_parallel_size", default=1, show_default=True, help="GPUs per model"
             )
         )
+        opts.append(
+            click.option(
+                "--pp",
+                "pipeline_parallel_size",
+                default=1,
+                show_default=True,
+                help="pipeline stages (with --gpu/--arch: the layers split evenly, tp x pp GPUs)",
+            )
+        )
+    opts.append(
+        click.option(
+            "--pp-link-gbs",
+            type=float,
+            default=DEFAULT_PP_LINK_BANDWIDTH / 1e9,
+            show_default=True,
+            help="GB/s between consecutive pipeline stages (default: a 200 Gb/s InfiniBand "
+            "port per GPU, stages on two nodes; NVLink within a node: 300 on A100)",
+        )
+    )
     opts.append(
         click.option(
             "--overhead-ms",
@@ -93,7 +114,12 @@ def load_latency(kw: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
         raise click.BadParameter("must be >= 0", param_hint="--overhead-ms")
     try:
         model, info = load_latency_model(
-            kw["profile"], kw["gpu"], kw["arch"], int(kw.get("tensor_parallel_size") or 1)
+            kw["profile"],
+            kw["gpu"],
+            kw["arch"],
+            int(kw.get("tensor_parallel_size") or 1),
+            pp=int(kw.get("pipeline_parallel_size") or 1),
+            pp_link_bandwidth=float(kw.get("pp_link_gbs") or DEFAULT_PP_LINK_BANDWIDTH / 1e9) * 1e9,
         )
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
@@ -137,20 +163,29 @@ def sim_vocabulary(kw: Mapping[str, Any], info: Mapping[str, Any]) -> tuple[int,
     return vocab, "" if avoid == "auto" else avoid
 
 
-def gpu_kv_blocks(gpu: str, arch: str, tp: int, block_size: int) -> int:
-    """KV blocks per engine on `tp` GPUs: each GPU's memory x GPU_MEMORY_UTILIZATION less
-    its share of the bf16 weights, divided by its share of a block's K and V."""
+def gpu_kv_blocks(gpu: str, arch: str, tp: int, block_size: int, pp: int = 1) -> int:
+    """KV blocks per engine on `tp` x `pp` GPUs: each GPU's memory x GPU_MEMORY_UTILIZATION
+    less its share of the bf16 weights, divided by its share of a block's K and V (a
+    stage holds its layers' weights and KV; the most loaded stage, with the LM head
+    counted whole on it, sets the size)."""
     from sarazmq.perf.architectures import get_architecture, get_gpu
     from sarazmq.perf.cost import ModelCost
+    from sarazmq.perf.pipeline import split_layers
 
-    g, cost = get_gpu(gpu), ModelCost.from_architecture(get_architecture(arch), GPU_ELEM_BYTES, tp)
-    free = g.memory_bytes * GPU_MEMORY_UTILIZATION - cost.weight_bytes
+    a = get_architecture(arch)
+    g, cost = get_gpu(gpu), ModelCost.from_architecture(a, GPU_ELEM_BYTES, tp)
+    share = max(split_layers(a.num_layers, pp)) / a.num_layers
+    weights = (cost.linear_params * share + cost.head_params) * cost.elem
+    if pp == 1:
+        weights = cost.weight_bytes
+    free = g.memory_bytes * GPU_MEMORY_UTILIZATION - weights
     if free <= 0:
+        where = f"{tp} x {gpu}" if pp == 1 else f"{tp} x {pp} stages of {gpu}"
         raise ValueError(
-            f"{arch} does not fit {tp} x {gpu}: {cost.weight_bytes / 1e9:.1f} GB of weights "
-            f"per GPU (use a larger --tp)"
+            f"{arch} does not fit {where}: {weights / 1e9:.1f} GB of weights per GPU "
+            f"(use a larger --tp or --pp)"
         )
-    return int(free // (cost.kv_bytes_per_token * block_size))
+    return int(free // (cost.kv_bytes_per_token * share * block_size))
 
 
 def sim_geometry(
@@ -168,8 +203,9 @@ def sim_geometry(
     if num_blocks == 0:
         if kw.get("gpu") and kw.get("arch"):
             tp = int(kw.get("tensor_parallel_size") or 1)
+            pp = int(kw.get("pipeline_parallel_size") or 1)
             try:
-                num_blocks = gpu_kv_blocks(kw["gpu"], kw["arch"], tp, block_size)
+                num_blocks = gpu_kv_blocks(kw["gpu"], kw["arch"], tp, block_size, pp)
             except ValueError as e:
                 raise click.ClickException(str(e)) from None
         elif engine.get("num_kv_blocks"):
@@ -197,8 +233,10 @@ def sim_geometry(
 def sim_engine_line(kw: Mapping[str, Any], policy: str, geometry: Mapping[str, int]) -> str:
     """The simulated engine in one line (printed before each run)."""
     slo = f"tbt slo: {kw['tbt_slo']} s  " if kw.get("tbt_slo") else ""
+    pp = int(kw.get("pipeline_parallel_size") or 1)
+    stages = f"pp: {pp}  " if pp > 1 else ""
     return (
-        f"simulated engine: scheduler: {policy}  chunk: {kw['chunk_size']}  {slo}"
+        f"simulated engine: scheduler: {policy}  chunk: {kw['chunk_size']}  {slo}{stages}"
         f"max_num_seqs: {kw['max_num_seqs']}  kv blocks: {geometry['num_blocks']} x "
         f"{geometry['block_size']}  max_model_len: {geometry['max_model_len']}  prefix "
         f"caching: {'on' if kw['enable_prefix_caching'] else 'off'}"
@@ -210,7 +248,26 @@ def latency_line(info: Mapping[str, Any]) -> str:
     if src == "profile":
         return f"latency model: profile {info.get('path')}"
     what = f"{info.get('gpu')} x{info.get('tp', 1)}, {info.get('arch')}"
+    pipe = info.get("pipeline")
+    if isinstance(pipe, Mapping):
+        what += (
+            f"; {pipe['pp']} pipeline stages of {'/'.join(map(str, pipe['stage_layers']))} "
+            f"layers, {pipe['link_bandwidth'] / 1e9:g} GB/s between them"
+        )
     return f"latency model: {src} ({what})"
+
+
+def pipeline_line(out: SimOutcome) -> str:
+    """The pipeline's bubble fraction and per-stage busy time in one line (pp > 1)."""
+    if out.pipeline is None:
+        return "pipeline: not recorded"
+    p = out.pipeline.to_dict()
+    busy = " ".join(f"{b:.3f}" for b in p["stage_busy_fraction"])
+    return (
+        f"pipeline: {p['pp']} stages  bubble fraction {p['bubble_fraction']:.3f}  stage busy "
+        f"{busy} of {p['active_s']:.1f} s active  micro-batches {p['num_micro_batches']} "
+        f"(at most {p['max_inflight']} in flight)"
+    )
 
 
 def sim_settings(
@@ -243,4 +300,8 @@ def sim_settings(
         "sim_wall_s": out.wall_s,
         "sim_time_s": out.sim_time_s,
         "num_iterations": out.num_iterations,
-    }
+    } | (
+        {"pipeline_parallel_size": out.pipeline.pp}
+        if out.pipeline is not None and out.pipeline.pp > 1
+        else {}
+    )

@@ -12,6 +12,7 @@ from sarazmq.cli.sim_options import (
     latency_line,
     latency_source_options,
     load_latency,
+    pipeline_line,
     sim_engine_line,
     sim_geometry,
     sim_scheduling_options,
@@ -37,7 +38,10 @@ deployment is started.
 
 The latency model is a `sarazmq profile` JSON (--profile: this machine's engine) or a
 named GPU and model architecture (--gpu a100 --arch mistral-7b [--tp N]: Vidur's measured
-tables where they exist, else a roofline). The KV pool is --num-kv-blocks, or the
+tables where they exist, else a roofline). --pp N simulates N pipeline stages (the layers
+split evenly, up to N micro-batches in flight, activations sent at --pp-link-gbs between
+stages) and reports the pipeline bubble fraction (idle stage time / total stage time
+while a micro-batch is in flight). The KV pool is --num-kv-blocks, or the
 profile's engine pool, or the GPU's memory (90 %) less the bf16 weights. Writes the same
 summary.json, requests.csv, iterations.csv, records.jsonl and plots as `replay` to
 --output-dir and prints the same table; --compare sarathi,vllm,orca simulates each policy
@@ -99,6 +103,9 @@ def simulate(trace: str, **kw: Any) -> None:
             err=True,
         )
         summary = summarize(out.records, out.iterations, kw["slo_ttft"], kw["slo_tbt"])
+        pipelined = out.pipeline is not None and out.pipeline.pp > 1
+        if pipelined:
+            summary["pipeline"] = out.pipeline.to_dict()
         run_dir = out_dir / policy if comparing else out_dir
         write_run(
             run_dir,
@@ -112,6 +119,8 @@ def simulate(trace: str, **kw: Any) -> None:
         if comparing:
             click.echo(f"--- {policy}")
         click.echo(format_table(summary))
+        if pipelined:
+            click.echo(pipeline_line(out))
         click.echo(f"wrote {run_dir}/")
         summaries[policy] = summary
         records[policy] = out.records

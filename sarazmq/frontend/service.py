@@ -51,6 +51,7 @@ from sarazmq.protocol.engine import (
     Drain,
     EngineDead,
     FrontendInbound,
+    NodesStatus,
     OutputBatch,
     ResetPrefixCache,
     SchedulerInbound,
@@ -123,6 +124,8 @@ class FrontendService:
         self.pending_stats: dict[str, tuple[bytes, str]] = {}
         self.clients: dict[bytes, _ClientState] = {}
         self.dead_reason = ""
+        # multi-node deployments: the latest NodesStatus (merged into stats replies)
+        self.nodes: list[dict[str, Any]] = []
         self.draining = False
         self.drain_deadline = 0.0
         self.drain_aborted = 0
@@ -375,7 +378,11 @@ class FrontendService:
             if route_s is not None:
                 stats = dict(msg.stats)
                 stats["frontend"] = self.counters()
+                if self.nodes:
+                    stats["nodes"] = self.nodes
                 acts.to_clients.append((route_s[0], StatsReply(route_s[1], stats)))
+        elif isinstance(msg, NodesStatus):
+            self.nodes = msg.nodes
         elif isinstance(msg, EngineDead):
             self.dead_reason = msg.reason
             err = f"engine failed: {msg.reason}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -274,10 +274,13 @@ def _permuted_heads(name: str, config: ModelConfig, permuted: bool) -> int:
     return 0
 
 
-def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    reader: Any, config: ModelConfig, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a file `open_gguf` opened, dequantized to float32, named and
     row-ordered as in Hugging Face checkpoints (Q/K rows unpermuted); ValueError for a
-    tensor the model does not know."""
+    tensor the model does not know. keep: only the tensors whose Hugging Face name it
+    accepts are dequantized (a pipeline stage's)."""
     from gguf.quants import dequantize
 
     permuted = gguf_field(reader, "general.architecture") in _GGUF_PERMUTED_ARCHS
@@ -287,6 +290,8 @@ def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, t
         hf_name = _gguf_hf_name(t.name)
         if hf_name is None:
             raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+        if keep is not None and not keep(hf_name):
+            continue
         arr = dequantize(t.data, t.tensor_type)  # float32, numpy row-major [out, in]
         heads = _permuted_heads(t.name, config, permuted)
         if heads:

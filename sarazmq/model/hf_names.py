@@ -34,11 +34,21 @@ _FUSED = (
 )
 
 
-def expected_parts(config: ModelConfig) -> set[str]:
+def expected_parts(
+    config: ModelConfig,
+    layers: range | None = None,
+    *,
+    embed: bool = True,
+    head: bool = True,
+) -> set[str]:
     """The parts (as `load_hf_tensor` records them in `loaded`) a complete checkpoint of
-    this architecture fills."""
-    parts = {"embed_tokens", "norm"} | (set() if config.tie_word_embeddings else {"lm_head"})
-    for i in range(config.num_layers):
+    this architecture fills: for the whole model, or for a pipeline stage holding
+    `layers`, the embedding table when `embed` and the final norm and LM head when
+    `head`."""
+    parts = {"embed_tokens"} if embed else set()
+    if head:
+        parts |= {"norm"} | (set() if config.tie_word_embeddings else {"lm_head"})
+    for i in range(config.num_layers) if layers is None else layers:
         for part in (
             "input_layernorm",
             "post_attention_layernorm",
@@ -56,6 +66,17 @@ def expected_parts(config: ModelConfig) -> set[str]:
     return parts
 
 
+def stage_holds(model: LlamaForCausalLM, name: str) -> bool:
+    """Whether this model (one pipeline stage) holds a part of checkpoint tensor `name`;
+    True for names it does not know (loading them reports the error)."""
+    if name == "model.embed_tokens.weight":
+        return model.embed_tokens is not None
+    if name in ("model.norm.weight", "lm_head.weight"):
+        return model.is_last_stage
+    m = _LAYER_RE.match(name)
+    return m is None or int(m.group(1)) in model.layer_range
+
+
 def load_hf_tensor(
     model: LlamaForCausalLM, name: str, tensor: torch.Tensor, loaded: set[str]
 ) -> None:
@@ -63,16 +84,19 @@ def load_hf_tensor(
     model and records the part in `loaded` (see `expected_parts`). Raises ValueError on an
     unknown name or a wrong shape."""
     cfg = model.config
+    # a pipeline stage holds some of the parts: it skips the others' tensors
     if name == "model.embed_tokens.weight":
-        _copy(model.embed_tokens, tensor, name)
-        loaded.add("embed_tokens")
+        if model.embed_tokens is not None:
+            _copy(model.embed_tokens, tensor, name)
+            loaded.add("embed_tokens")
         return
     if name == "model.norm.weight":
-        _copy(model.norm, tensor, name)
-        loaded.add("norm")
+        if model.norm is not None:
+            _copy(model.norm, tensor, name)
+            loaded.add("norm")
         return
     if name == "lm_head.weight":
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and model.lm_head is not None:
             _copy(model.lm_head.plain, tensor, name)
             loaded.add("lm_head")
         # tied models may still ship a copy of the embedding: nothing to do
@@ -85,7 +109,9 @@ def load_hf_tensor(
     i = int(m.group(1))
     if i >= cfg.num_layers:
         raise ValueError(f"weight {name!r} for layer {i} but model has {cfg.num_layers}")
-    layer: LlamaDecoderLayer = model.layers[i]  # type: ignore[assignment]
+    if i not in model.layer_range:
+        return  # another pipeline stage's layer
+    layer: LlamaDecoderLayer = model.layers[i - model.layer_range.start]  # type: ignore[assignment]
     _load_layer_tensor(model, layer, i, m.group(2), name, tensor, loaded)
 
 
@@ -154,15 +180,18 @@ def _load_layer_tensor(
 def block_quant_targets(
     model: LlamaForCausalLM,
 ) -> Iterator[tuple[str, tuple[str, ...], LinearWeight]]:
-    """Per matmul weight of the model (one rank, unsharded): (a label for errors, the
-    checkpoint names whose blocks stack along rows into its blocks, its owner); the LM
-    head last (a tied head under the embedding's name)."""
-    for i, layer in enumerate(model.layers):
+    """Per matmul weight of the model (one rank, unsharded; a pipeline stage's layers):
+    (a label for errors, the checkpoint names whose blocks stack along rows into its
+    blocks, its owner); the LM head last where the stage has it (a tied head under the
+    embedding's name)."""
+    for i, layer in zip(model.layer_range, model.layers, strict=True):
         for parts, attr in _FUSED:
             names = tuple(f"model.layers.{i}.{p}.weight" for p in parts)
             yield f"layer {i} {attr}", names, getattr(layer, attr)
-    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
-    yield head, (head,), model.lm_head
+    if model.lm_head is not None:
+        tied = model.config.tie_word_embeddings
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        yield head, (head,), model.lm_head
 
 
 def _cols(tensor: torch.Tensor, rank: int, size: int, name: str) -> torch.Tensor:

@@ -12,6 +12,11 @@ Layout per layer (tensor parallel over `tp_size` ranks), each matmul weight a
 - gate_up_proj: column-parallel [2 * Il, hidden] (gate rows, then up rows), SwiGLU;
 - down_proj: row-parallel [hidden, Il], all-reduced;
 - embeddings and the lm head are replicated; a tied lm head's weight is the embedding.
+Pipeline parallel over `pp_size` stages: stage `pp_rank` holds the contiguous layers
+`stage_layers(num_layers, pp_size, pp_rank)` (their KV caches only), the first stage the
+embedding, the last the final norm and LM head (and the embedding too when tied). A
+stage's `forward` takes the previous stage's activations and returns its own (see
+`forward`).
 Parameters are allocated uninitialized; fill them with `sarazmq.model.loader.load_weights`
 (or `random_init_` for tests).
 """
@@ -34,7 +39,7 @@ from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin
 
 from .hf_names import block_quant_targets, expected_parts, load_hf_tensor
-from .kv_cache import check_tensor_parallel
+from .kv_cache import check_tensor_parallel, stage_layers
 
 
 def _param(
@@ -92,6 +97,8 @@ class LlamaForCausalLM(nn.Module):
     tp_rank / tp_size / tp_group: tensor parallel placement; tp_group is the
     torch.distributed process group used for the row-parallel all-reduces (None = default
     group), only used when tp_size > 1.
+    pp_rank / pp_size (keyword-only): this model's pipeline stage (see the module doc);
+    ValueError when pp_size exceeds the layers.
     dtype / device (keyword-only, optional): where the parameters are allocated.
     """
 
@@ -103,6 +110,8 @@ class LlamaForCausalLM(nn.Module):
         tp_size: int = 1,
         tp_group: Any = None,
         *,
+        pp_rank: int = 0,
+        pp_size: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -110,24 +119,34 @@ class LlamaForCausalLM(nn.Module):
         check_tensor_parallel(config, tp_size)
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank={tp_rank} must be in [0, {tp_size})")
+        self.layer_range = stage_layers(config.num_layers, pp_size, pp_rank)
         self.config = config
         self.attention = attention
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.tp_group = tp_group
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
         self.scale = config.head_dim**-0.5
         h = config.hidden_size
-        self.embed_tokens = _param(config.vocab_size, h, dtype=dtype, device=device)
-        self.norm = _param(h, dtype=dtype, device=device)
-        # registered before the layers: parameters keep the order random_init_ draws in
-        self.lm_head = (
-            # tied: the head's weight is the embedding table, which lookups always read
-            LinearWeight(self.embed_tokens, keep_plain=True)
-            if config.tie_word_embeddings
-            else LinearWeight.empty(config.vocab_size, h, dtype=dtype, device=device)
+        first, last = self.is_first_stage, self.is_last_stage
+        # the last stage's tied head reads the embedding table: it keeps one too
+        has_embed = first or (last and config.tie_word_embeddings)
+        self.embed_tokens: nn.Parameter | None = (
+            _param(config.vocab_size, h, dtype=dtype, device=device) if has_embed else None
         )
+        self.norm: nn.Parameter | None = _param(h, dtype=dtype, device=device) if last else None
+        # registered before the layers: parameters keep the order random_init_ draws in
+        self.lm_head: LinearWeight | None = None
+        if last:
+            self.lm_head = (
+                # tied: the head's weight is the embedding table, which lookups always read
+                LinearWeight(self.embed_tokens, keep_plain=True)
+                if self.embed_tokens is not None and config.tie_word_embeddings
+                else LinearWeight.empty(config.vocab_size, h, dtype=dtype, device=device)
+            )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp_size, dtype, device) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, tp_size, dtype, device) for _ in self.layer_range
         )
         # decode steps of a few sequences through the backend's one-call step where it has
         # one (EngineConfig.enforce_eager turns it off); the step is built for these
@@ -148,6 +167,19 @@ class LlamaForCausalLM(nn.Module):
             persistent=False,
         )
 
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def activation_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        """Shape of the activations one stage hands the next for `num_tokens` tokens:
+        the hidden states and the residual stream, stacked ([2, T, hidden])."""
+        return (2, num_tokens, self.config.hidden_size)
+
     # ------------------------------------------------------------------ forward
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,12 +196,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs one hybrid batch.
+        """Runs one hybrid batch (through this stage's layers).
 
         input_ids, positions: [T] (packed like the metadata: decodes first, then chunks);
-        kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv_local, D].
-        Returns the final-normed hidden states [T, hidden].
+        kv_caches: per layer of this stage (k_cache, v_cache), each
+        [num_blocks, block_size, Hkv_local, D]; inputs: on a pipeline stage after the
+        first, the previous stage's activations (`activation_shape`), else None.
+        Returns the final-normed hidden states [T, hidden] on the last stage, the
+        activations for the next stage ([2, T, hidden]: hidden states, residual) on the
+        others.
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
@@ -179,16 +216,27 @@ class LlamaForCausalLM(nn.Module):
         eps = cfg.rms_norm_eps
         if positions.device != self.cos_sin_cache.device:
             positions = positions.to(self.cos_sin_cache.device)
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        if self.is_first_stage and self.embed_tokens is not None:
+            if inputs is not None:
+                raise ValueError("the first pipeline stage takes token ids, not activations")
+            x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        else:
+            if inputs is None or tuple(inputs.shape) != self.activation_shape(t):
+                got = None if inputs is None else tuple(inputs.shape)
+                raise ValueError(
+                    f"pipeline stage {self.pp_rank} needs the previous stage's activations "
+                    f"of shape {self.activation_shape(t)}, got {got}"
+                )
+            x, residual = inputs[0], inputs[1]
         # rotation tables once per pass, shared by every layer
         cos, sin = rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # [T, 1, D] each
-        if self.fused_decode and 0 < t == meta.num_decodes == meta.num_seqs:
+        if self.fused_decode and self.pp_size == 1 and 0 < t == meta.num_decodes == meta.num_seqs:
             # a few decodes: the whole step in one native call where the backend has one
             step = self.fused_decode_step(kv_caches)
             out = None if step is None else step.run(x, cos, sin, meta)
             if out is not None:
                 return out
-        residual: torch.Tensor | None = None
         ops = self.attention.ops  # elementwise ops and matmuls: the backend's kernels
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h, residual = ops.rms_norm_(x, layer.input_layernorm, eps, residual)
@@ -206,6 +254,12 @@ class LlamaForCausalLM(nn.Module):
             gate_up = ops.linear(h, layer.gate_up_proj)  # [T, 2 Il]
             act = ops.silu_mul(gate_up, layer.inter)  # [T, Il]
             x = self._all_reduce(ops.linear(act, layer.down_proj))  # [T, hidden]
+        if self.norm is None:
+            if residual is None:  # every stage has a layer, and the first one sets it
+                raise RuntimeError(f"pipeline stage {self.pp_rank} ran no layer")
+            # the residual is handed on unsummed: the next stage adds it exactly as the
+            # next layer would in one piece (the same results as without stages)
+            return torch.stack((x, residual))
         out, _ = ops.rms_norm_(x, self.norm, eps, residual)
         return out
 
@@ -217,11 +271,13 @@ class LlamaForCausalLM(nn.Module):
         stay the same; None where the backend has none or the model does not fit it
         (tensor parallel, qkv bias). `forward` runs it for decode-only batches (unless
         `fused_decode` is off) where it takes the batch."""
+        if self.norm is None:
+            return None  # a stage before the last: the fused step ends in the final norm
         key = (id(kv_caches), kv_caches[0][0].data_ptr(), self.norm.data_ptr())
         if key != self._fused_key:
             self._fused_key, self._fused_step = key, None
             layers = self._decode_layer_weights()
-            if layers is not None:
+            if layers is not None and self.pp_size == 1:
                 cfg = self.config
                 self._fused_step = self.attention.fused_decode_step(
                     layers,
@@ -259,12 +315,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab] (lm head replicated on every rank).
+        """hidden: [N, hidden] -> float32 logits [N, vocab] (lm head replicated on every rank
+        of the last pipeline stage; ValueError on another stage).
 
         out: optional float32 [N, vocab] destination. For a non-float32 model, passing a
         buffer the caller reuses saves a fresh many-MB tensor per step, whose new pages
         cost more than the copy (docs/KERNELS.md, "Reused logits buffer").
         """
+        if self.lm_head is None:
+            raise ValueError(f"pipeline stage {self.pp_rank} has no LM head (the last stage has)")
         logits = self.attention.ops.linear(hidden, self.lm_head)  # [N, V]
         if out is None:
             return logits.float()
@@ -273,12 +332,14 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ matmul weights
 
     def matmul_weights(self) -> Iterator[tuple[str, LinearWeight]]:
-        """Every matmul weight with its module name ("layers.0.qkv_proj", ...), the LM head
-        ("lm_head", the embedding table when tied) last."""
-        for i, layer in enumerate(self.layers):
+        """Every matmul weight with its module name ("layers.0.qkv_proj", ..., the model's
+        layer numbers), the LM head ("lm_head", the embedding table when tied) last, where
+        this pipeline stage has them."""
+        for i, layer in zip(self.layer_range, self.layers, strict=True):
             for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 yield f"layers.{i}.{attr}", getattr(layer, attr)
-        yield "lm_head", self.lm_head
+        if self.lm_head is not None:
+            yield "lm_head", self.lm_head
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes the matmul weights hold, per variant ("plain", "packed", "blocks"; see
@@ -357,7 +418,13 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for name, tensor in weights:
                 load_hf_tensor(self, name, tensor, loaded)
-        missing = sorted(expected_parts(self.config) - loaded)
+        expected = expected_parts(
+            self.config,
+            self.layer_range,
+            embed=self.embed_tokens is not None,
+            head=self.is_last_stage,
+        )
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:12])}")
 
@@ -365,10 +432,11 @@ class LlamaForCausalLM(nn.Module):
         """Whether `load_block_quant_weights` would use a checkpoint's quantized blocks: a
         float32 or bf16 model on CPU, one rank, with the block kernels for its dtype built
         for this CPU."""
+        weight = self.layers[0].input_layernorm  # every stage has a layer
         return (
-            self.embed_tokens.device.type == "cpu"
+            weight.device.type == "cpu"
             and self.tp_size == 1
-            and block_quant_kernels_available(self.embed_tokens.dtype)
+            and block_quant_kernels_available(weight.dtype)
         )
 
     def load_block_quant_weights(self, weights: Iterable[tuple[str, BlockQuantWeight]]) -> int:
@@ -386,7 +454,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.wants_block_quant_weights():
             raise ValueError(
                 "block-quantized weights need a float32 or bf16 CPU model on one rank, with "
-                f"the block kernels for {self.embed_tokens.dtype} built for this CPU"
+                f"the block kernels for {self.layers[0].input_layernorm.dtype} built for this CPU"
             )
         parts = dict(weights)
         self.clear_block_quant_weights()

@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from sarazmq.config import ModelConfig, RopeScaling
 from sarazmq.kernels.backend import AttentionBackend
 
 from .gguf_loader import gguf_model_config, iter_gguf_block_weights, iter_gguf_weights, open_gguf
+from .hf_names import stage_holds
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -235,7 +237,8 @@ def load_weights(
         )
     if source.kind == "gguf":
         reader = open_gguf(source.gguf_path)  # parsed once for both passes
-        model.load_hf_weights(iter_gguf_weights(reader, model.config))
+        keep = None if model.pp_size == 1 else partial(stage_holds, model)
+        model.load_hf_weights(iter_gguf_weights(reader, model.config, keep))
         if model.wants_block_quant_weights():
             # decode reads the file's own Q4/Q8 blocks: the same results, fewer bytes
             try:
@@ -278,14 +281,20 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     tp_group: Any = None,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> LlamaForCausalLM:
-    """Builds the model for this rank on `device` in `dtype` and loads its weights."""
+    """Builds the model for this rank (of pipeline stage pp_rank of pp_size) on `device`
+    in `dtype` and loads its weights (the stage's only)."""
     model = LlamaForCausalLM(
         config,
         attention,
         tp_rank=tp_rank,
         tp_size=tp_size,
         tp_group=tp_group,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
         dtype=_as_dtype(dtype),
         device=device,
     )

@@ -7,7 +7,11 @@
 - `linear`: `PiecewiseLinearModel` (a knee for the linear layers), its non-negative fit
   `fit_latency_model` and `prediction_error`.
 - `gpu`: `GpuProfileModel` (Vidur's A100/H100 tables) and `RooflineModel` (any GPU).
-- `load`: `load_latency_model`, the one entry point for a simulator: a profile or a GPU.
+- `cpu_overhead`: the CPU's per-iteration time (Vidur's measured vLLM overheads).
+- `pipeline`: `PipelineLatency`, per-stage times of a pipeline-parallel deployment and the
+  activation transfer between stages.
+- `load`: `load_latency_model`, the one entry point for a simulator: a profile or a GPU
+  (with tp and pp).
 - `machine`, `shapes_runner`, `profile` (import torch): the probe of this machine, timing
   exact shapes on a `ModelRunner`, and `sarazmq profile`'s grid, fit and report.
 """

@@ -11,7 +11,10 @@
   effective bandwidth; prefill = fixed + per token + causal FLOPs at an effective FLOP/s.
   Scaled to another GPU by its peak FLOP/s and bandwidth;
 - the LM head (Vidur does not time it) and tensor-parallel all-reduces: a roofline;
-- the CPU's per-iteration work: `cpu_overhead_s`.
+- the CPU's per-iteration work: `cpu_overhead.cpu_overhead_s`.
+
+Both also give `parts(shape)`: the same time split by where a pipeline runs it (first
+stage, decoder layers, last stage; see `sarazmq.perf.pipeline`).
 
 `RooflineModel` (any named GPU and architecture): per phase (linear layers, attention, LM
 head), max(FLOPs / (peak * FLOPS_EFF), bytes / (bandwidth * BW_EFF)), plus the same
@@ -20,11 +23,9 @@ all-reduce and CPU terms.
 
 from __future__ import annotations
 
-import bisect
 import csv
 import functools
 import os
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,10 @@ import numpy as np
 
 from sarazmq.perf.architectures import Architecture, Gpu, get_gpu
 from sarazmq.perf.cost import ModelCost, kv_read_tokens
+from sarazmq.perf.cpu_overhead import cpu_overhead_s, cpu_overhead_split_s
+from sarazmq.perf.cpu_overhead import interp as _interp
 from sarazmq.perf.linear import nnls
+from sarazmq.perf.pipeline import IterationParts
 from sarazmq.perf.shape import IterationShape
 
 #: where the Vidur copy lives (overridable for tests and other checkouts)
@@ -45,7 +49,6 @@ VIDUR_MLP = {
     ("a100-80gb", "llama-3-8b"): "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv",
     ("a100-80gb", "mistral-7b"): "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv",
 }
-VIDUR_CPU = "a100/cpu_overheads.csv"
 MLP_OPS = (
     "input_layernorm",
     "attn_pre_proj",
@@ -57,11 +60,6 @@ MLP_OPS = (
     "mlp_down_proj",
     "add",
 )
-#: the CPU-side parts of an iteration in cpu_overheads.csv (model_execution_e2e waits on
-#: the GPU, which the other terms model)
-CPU_PARTS = ("schedule", "sampler_e2e", "prepare_inputs_e2e", "process_model_outputs")
-#: per iteration when cpu_overheads.csv is absent: its Llama-2-7B value at batch 32
-DEFAULT_CPU_OVERHEAD_S = 2.1e-3
 #: roofline efficiencies: what Vidur's A100 Llama-2-7B GEMMs reach (QKV+O+MLP at 4096
 #: tokens: ~70 % of the BF16 peak; at 1 token: ~75 % of the HBM bandwidth)
 FLOPS_EFF = 0.7
@@ -170,17 +168,6 @@ def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return nnls(x * w[:, None] / scale, y * w) / scale
 
 
-def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear in x; clamped below the first point, extrapolated past the last."""
-    if x <= xs[0]:
-        return ys[0]
-    i = bisect.bisect_left(xs, x)
-    if i == len(xs):
-        i -= 1
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
 def read_mlp_table(
     path: Path, tp: int
 ) -> tuple[dict[str, Any], list[int], list[float], list[float]]:
@@ -203,34 +190,6 @@ def read_mlp_table(
     layer_s = [sum(v[0] for v in sums[t]) / len(sums[t]) for t in tokens]
     emb_s = [sum(v[1] for v in sums[t]) / len(sums[t]) for t in tokens]
     return keys, tokens, layer_s, emb_s
-
-
-@functools.cache
-def cpu_overhead_table() -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """(batch sizes, seconds per iteration of CPU_PARTS) of Vidur's Llama-2-7B TP1 rows in
-    cpu_overheads.csv (vLLM on an A100 host), or None where the file is absent."""
-    path = profiles_root() / "data" / "profiling" / VIDUR_CPU
-    if not path.is_file():
-        return None
-    by_bs: dict[int, list[float]] = {}
-    with open(path, encoding="utf-8", newline="") as f:
-        for row in csv.DictReader(f):
-            if row["model_name"] == "meta-llama/Llama-2-7b-hf":
-                s = sum(float(row[f"{p}_median"]) for p in CPU_PARTS) * 1e-3
-                by_bs.setdefault(int(row["batch_size"]), []).append(s)
-    bs = sorted(by_bs)
-    return tuple(float(b) for b in bs), tuple(sum(by_bs[b]) / len(by_bs[b]) for b in bs)
-
-
-def cpu_overhead_s(num_seqs: int) -> float:
-    """The CPU's per-iteration time (scheduling, input preparation, sampling, output
-    processing) at this batch size: Vidur's Llama-2-7B table, clamped to its 8..128 range
-    (1.2 ms at 8, 6.2 ms at 128), else DEFAULT_CPU_OVERHEAD_S."""
-    table = cpu_overhead_table()
-    if table is None:
-        return DEFAULT_CPU_OVERHEAD_S
-    bs, secs = table
-    return secs[-1] if num_seqs >= bs[-1] else _interp(bs, secs, num_seqs)
 
 
 def allreduce_s(gpu: Gpu, arch: Architecture, tp: int, num_tokens: int, elem: int) -> float:
@@ -322,6 +281,27 @@ class GpuProfileModel:
             t += cpu_overhead_s(shape.num_seqs)
         return t
 
+    def parts(self, shape: IterationShape) -> IterationParts:
+        """`predict`'s terms by where a pipeline runs them: the embedding and the CPU's
+        pre-forward work first, the decoder layers (with their all-reduces), then the LM
+        head and the CPU's sampling and output work (sums to `predict` up to rounding)."""
+        n = shape.num_tokens
+        if n == 0:
+            return IterationParts()
+        c = self.cost
+        head = _roofline(
+            c.head_flops(shape.num_sampled), c.head_params * c.elem, self.gpu, FLOPS_EFF, BW_EFF
+        )
+        layer = _interp(self.tokens, self.layer_s, n)
+        layers = self.arch.num_layers * layer + self.attention_seconds(shape)
+        layers += allreduce_s(self.gpu, self.arch, self.tp, n, c.elem)
+        pre, post = cpu_overhead_split_s(shape.num_seqs) if self.cpu_overhead else (0.0, 0.0)
+        return IterationParts(
+            first_s=_interp(self.tokens, self.emb_s, n) + pre,
+            layers_s=layers,
+            last_s=head + post,
+        )
+
     def describe(self) -> dict[str, Any]:
         return {
             "kind": "gpu_profile",
@@ -364,6 +344,23 @@ class RooflineModel:
         if self.cpu_overhead:
             t += cpu_overhead_s(shape.num_seqs)
         return t
+
+    def parts(self, shape: IterationShape) -> IterationParts:
+        """`predict`'s terms by where a pipeline runs them: the CPU's pre-forward work
+        first, the decoder layers (linear layers, attention, all-reduces), then the LM head
+        and the CPU's sampling and output work (sums to `predict` up to rounding)."""
+        n = shape.num_tokens
+        if n == 0:
+            return IterationParts()
+        c, g, fe, be = self.cost, self.gpu, self.flops_eff, self.bw_eff
+        pairs = shape.prefill_attention_pairs + shape.decode_context_tokens
+        kv_bytes = (kv_read_tokens(shape) + n) * c.kv_bytes_per_token
+        layers = _roofline(c.linear_flops(n), c.linear_params * c.elem, g, fe, be)
+        layers += _roofline(c.attention_flops(pairs), kv_bytes, g, fe, be)
+        layers += allreduce_s(g, self.arch, self.tp, n, c.elem)
+        head = _roofline(c.head_flops(shape.num_sampled), c.head_params * c.elem, g, fe, be)
+        pre, post = cpu_overhead_split_s(shape.num_seqs) if self.cpu_overhead else (0.0, 0.0)
+        return IterationParts(first_s=pre, layers_s=layers, last_s=head + post)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -124,4 +124,11 @@ class Drain(msgspec.Struct, tag="drain", array_like=True):
     timeout: float
 
 
-FrontendInbound = OutputBatch | StatsAnswer | EngineDead | Drain
+class NodesStatus(msgspec.Struct, tag="nodes", array_like=True):
+    """From the head's node link (multi-node deployments), every second: each node's
+    ranks, stages and last heartbeat; merged into every stats reply as "nodes"."""
+
+    nodes: list[dict[str, Any]]
+
+
+FrontendInbound = OutputBatch | StatsAnswer | EngineDead | Drain | NodesStatus

@@ -66,7 +66,14 @@ class BatchPlan(msgspec.Struct, array_like=True, omit_defaults=True, tag="plan")
 
 
 class StepResult(msgspec.Struct, array_like=True, omit_defaults=True, tag="result"):
-    """What rank 0 sends back: one sampled token per scheduled sequence with sample=True."""
+    """What the driver (tp rank 0 of the last pipeline stage) sends back: one sampled
+    token per scheduled sequence with sample=True.
+
+    forward_s: the driver's own time on the plan (plan applied, forward, sampling).
+    stage_busy_s / stage_wait_s: with pipeline parallelism, per stage (0 first), seconds
+    its driver computed this plan / waited for the previous stage's activations after it
+    had the plan (0 for stage 0); empty without pipeline parallelism.
+    """
 
     step: int
     seq_ids: list[int] = []
@@ -74,6 +81,8 @@ class StepResult(msgspec.Struct, array_like=True, omit_defaults=True, tag="resul
     logprobs: list[TokenLogprobs | None] = []
     forward_s: float = 0.0
     error: str = ""
+    stage_busy_s: list[float] = []
+    stage_wait_s: list[float] = []
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):

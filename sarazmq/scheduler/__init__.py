@@ -7,7 +7,9 @@
 - `policies`: Sarathi-Serve's stall-free hybrid batches and its four baselines.
 - `scheduler.Scheduler`: requests, the pool and the policy; builds each iteration's
   `BatchPlan` diff (`build_scheduler` is the one way to build it from a config).
-- `stats`: the counters and per-iteration records it reports.
+- `inflight`: the plans in flight (up to one per pipeline stage) and the view of the
+  running requests the policies get while some are.
+- `stats`: the counters and per-iteration records it reports (`bubble_fraction`).
 - `service.SchedulerService`: what the process does around it (rejections, routing
   deltas to detokenizer shards, deferring control while a plan is in flight).
 

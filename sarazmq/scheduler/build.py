@@ -34,4 +34,6 @@ def build_scheduler(
         clock=clock,
         seed=config.seed,
         enable_prefix_caching=config.cache.enable_prefix_caching,
+        # one micro-batch per pipeline stage keeps every stage busy
+        max_inflight=config.pipeline_parallel_size,
     )

@@ -47,6 +47,10 @@ class ScheduleContext:
     # (decodes scheduled, first prefill's computed length) -> prefill tokens this
     # iteration; set under a TBT target (`adaptive.AdaptiveBudget`), else chunk_size rules
     prefill_budget: Callable[[list[Request], int], int] | None = None
+    # running requests left out of `running` (pipeline parallelism: in a plan in flight,
+    # or another micro-batch's share): not to be scheduled or preempted now, but they hold
+    # blocks, so the pool is not idle (`inflight.PolicyView`)
+    num_hidden: int = 0
 
 
 @dataclass
@@ -174,7 +178,7 @@ class Policy(abc.ABC):
             to_compute = total - cached
             if whole and budget is not None and to_compute > budget:
                 break
-            watermark = ctx.watermark_blocks if ctx.running else 0
+            watermark = ctx.watermark_blocks if ctx.running or ctx.num_hidden else 0
             if not ctx.blocks.can_allocate_with_hits(total, hits, watermark):
                 break
             ctx.waiting.popleft()
@@ -259,7 +263,7 @@ class FasterTransformerPolicy(Policy):
 
     def schedule(self, ctx: ScheduleContext) -> BatchDecision:
         out = BatchDecision()
-        if not ctx.running:
+        if not ctx.running and not ctx.num_hidden:
             self._admit(ctx, out, None, whole=True)
             return out
         self._schedule_decodes(ctx, out)

@@ -1,10 +1,12 @@
 """The scheduler: request bookkeeping, batch policy, and the plan diff for the workers.
 
 Pure and socket-free: the engine feeds it requests and step results and ships its
-plans. Protocol, exactly one plan in flight:
+plans. Protocol, up to `max_inflight` plans in flight (1 unless pipeline parallel; see
+`inflight`), results processed in the order the plans were built:
 
-    plan = scheduler.schedule()          # None when there is nothing to run
-    ... workers run plan, rank 0 answers a StepResult ...
+    while scheduler.can_schedule() and (plan := scheduler.schedule()) is not None:
+        ... send plan to the workers ...
+    ... the last stage's driver answers the oldest plan with a StepResult ...
     deltas = scheduler.process_result(result)
 
 Worker contract for a `BatchPlan` (the diff): first forget every seq in
@@ -31,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 
 from sarazmq.config import SchedulerConfig
-from sarazmq.perf.shape import IterationShape, shape_of_plan
+from sarazmq.perf.shape import IterationShape
 from sarazmq.protocol.common import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -41,7 +43,7 @@ from sarazmq.protocol.common import (
     TokenLogprobs,
 )
 from sarazmq.protocol.engine import RequestDelta
-from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq, StepResult
+from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.adaptive import (
     CALIBRATION_REQUESTS,
@@ -49,11 +51,17 @@ from sarazmq.scheduler.adaptive import (
     calibration_requests,
 )
 from sarazmq.scheduler.block_manager import BlockManager
+from sarazmq.scheduler.inflight import InflightQueue, PolicyView, build_plan
 from sarazmq.scheduler.plan_check import check_result
 from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
 from sarazmq.scheduler.prefix_cache import BlockHashFn, PrefixCacheCounters, sha256_block_key
 from sarazmq.scheduler.request import Request, RequestStatus
-from sarazmq.scheduler.stats import MAX_ITERATION_RECORDS, IterationRecord, SchedulerStats
+from sarazmq.scheduler.stats import (
+    MAX_ITERATION_RECORDS,
+    IterationRecord,
+    PipelineAccounting,
+    SchedulerStats,
+)
 from sarazmq.validation import InvalidRequestError, check_prompt_token_ids
 
 
@@ -72,13 +80,16 @@ class Scheduler:
         seed: int | None = None,
         enable_prefix_caching: bool = False,
         block_hash_fn: BlockHashFn = sha256_block_key,
+        max_inflight: int = 1,
     ) -> None:
         """seed: if given, the per-request seeds drawn for requests without
         params.seed come from a generator seeded with it (reproducible runs);
         otherwise from OS entropy.
         enable_prefix_caching: reuse the KV of shared prompt prefixes (see
         `BlockManager`); off here by default, on by default in `CacheConfig`.
-        block_hash_fn: the prefix cache's block key (tests pass a colliding stub)."""
+        block_hash_fn: the prefix cache's block key (tests pass a colliding stub).
+        max_inflight: most plans in flight at once (the pipeline's stages; see
+        `inflight`); ValueError when < 1."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be >= 1")
         self.config = config
@@ -99,12 +110,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # live (not finished) requests
         self._next_seq_id = 0
         self._step = 0
-        self._inflight: BatchPlan | None = None
-        self._inflight_reqs: dict[int, Request] = {}
-        self._inflight_start = 0.0
-        self._inflight_preempted = 0
-        self._inflight_cache = PrefixCacheCounters()
-        self._inflight_shape = IterationShape()
+        self._inflight = InflightQueue(max_inflight)
+        self._last_shape = IterationShape()
+        self._pipeline = PipelineAccounting(max_inflight)  # behind bubble_fraction
         self._pending_freed: list[int] = []
         self._pending_deltas: list[RequestDelta] = []
         self._num_preemptions = 0
@@ -198,8 +206,26 @@ class Scheduler:
         return self._requests.get(request_id)
 
     @property
+    def max_inflight(self) -> int:
+        """Most plans in flight at once."""
+        return self._inflight.max_inflight
+
+    @property
     def inflight(self) -> bool:
-        return self._inflight is not None
+        """Whether any plan is in flight."""
+        return len(self._inflight) > 0
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def can_schedule(self) -> bool:
+        """Whether schedule() may be called: fewer than max_inflight plans in flight."""
+        return not self._inflight.full
+
+    def inflight_shapes(self) -> list[IterationShape]:
+        """The shapes of the plans in flight, oldest first."""
+        return [entry.shape for entry in self._inflight]
 
     @property
     def calibrating(self) -> bool:
@@ -208,8 +234,8 @@ class Scheduler:
 
     @property
     def inflight_shape(self) -> IterationShape:
-        """The shape of the plan in flight (of the last plan once its result is in)."""
-        return self._inflight_shape
+        """The shape of the newest plan scheduled (in flight, or its result is in)."""
+        return self._last_shape
 
     def stats(self) -> SchedulerStats:
         pc = self.prefix_cache
@@ -231,12 +257,14 @@ class Scheduler:
             prefix_cache_preempted_queries=pc.preempted_queries,
             prefix_cache_preempted_hits=pc.preempted_hits,
             **(self.budget.stats_fields() if self.budget is not None else {}),
+            # the clock is read only while busy: stats() of an idle scheduler reads none
+            **self._pipeline.fields(self.clock() if self.inflight else 0.0, self.inflight),
         )
 
     def reset_prefix_cache(self) -> tuple[bool, str]:
         """Forgets every cached block key. Refused, (False, why), while any request
         holds KV blocks (running, or a plan in flight): reset an idle engine."""
-        if self._inflight is not None:
+        if self._inflight:
             return False, "a plan is in flight; reset_prefix_cache needs an idle engine"
         return self.blocks.reset_cache()
 
@@ -253,22 +281,53 @@ class Scheduler:
     # ---- the iteration ----
 
     def schedule(self) -> BatchPlan | None:
-        """Builds the next plan, or None when there is nothing to run. Raises
-        RuntimeError if the previous plan's result was not processed yet."""
-        if self._inflight is not None:
+        """Builds the next plan, or None when there is nothing to run now (requests in
+        a plan in flight are not scheduled again until its result is in). Raises
+        RuntimeError when max_inflight plans are in flight (see `can_schedule`)."""
+        if self._inflight.full:
+            oldest = self._inflight.oldest()
+            step = oldest.plan.step if oldest is not None else -1
             raise RuntimeError(
-                f"schedule() called while plan {self._inflight.step} is in flight; "
-                "call process_result() first"
+                f"schedule() called with {len(self._inflight)} plans in flight (oldest step "
+                f"{step}, max_inflight={self.max_inflight}); call process_result() first"
             )
         start = self.clock()
-        ctx = ScheduleContext(
+        if self.max_inflight == 1:
+            decision, num_preempted = self._decide(self._context(self.running, 0))
+        else:
+            # micro-batches: the policy sees only requests not in flight, first its share
+            # of them, then (when that share alone cannot run) all of them
+            share = -(-len(self.running) // self.max_inflight)
+            decision, num_preempted = self._decide_in_view(share)
+            inflight = self._inflight.seq_ids
+            if decision.empty and any(r.seq_id not in inflight for r in self.running):
+                decision, more = self._decide_in_view(len(self.running))
+                num_preempted += more
+        if decision.empty:
+            return None
+        return self._build_plan(decision, start, num_preempted)
+
+    def _context(self, running: list[Request], hidden: int) -> ScheduleContext:
+        return ScheduleContext(
             waiting=self.waiting,
-            running=self.running,
+            running=running,
             blocks=self.blocks,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.max_num_seqs - hidden,
             watermark_blocks=self._watermark_blocks,
             prefill_budget=self.budget.prefill_budget if self.budget is not None else None,
+            num_hidden=hidden,
         )
+
+    def _decide_in_view(self, share: int) -> tuple[BatchDecision, int]:
+        """`_decide` over a `PolicyView` showing at most `share` running requests."""
+        view = PolicyView(self.running, self._inflight.seq_ids, share)
+        try:
+            return self._decide(self._context(view.running, view.num_hidden))
+        finally:
+            view.merge()
+
+    def _decide(self, ctx: ScheduleContext) -> tuple[BatchDecision, int]:
+        """The policy's decision and how many requests it preempted on the way."""
         decision = self.policy.schedule(ctx)
         num_preempted = len(decision.preempted)
         self._note_preempted(decision)
@@ -278,80 +337,32 @@ class Scheduler:
             decision = self.policy.schedule(ctx)
             num_preempted += len(decision.preempted)
             self._note_preempted(decision)
-        if decision.empty:
-            return None
+        return decision, num_preempted
 
-        new_seqs: list[NewSeq] = []
-        cache_step = PrefixCacheCounters()  # this iteration's admissions
-        for req in decision.admitted:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = start
-            tokens = req.all_token_ids
-            new_seqs.append(
-                NewSeq(
-                    seq_id=req.seq_id,
-                    token_ids=tokens,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    params=req.params,
-                    seed=req.seed,
-                    num_cached_tokens=req.num_cached_tokens,
-                )
-            )
-            self.prefix_cache.record(
-                req.num_prefill_tokens, req.num_cached_tokens, req.num_preemptions > 0
-            )
-            cache_step.record(
-                req.num_prefill_tokens, req.num_cached_tokens, req.num_preemptions > 0
-            )
-            req.num_sent_tokens = len(tokens)
-            req.on_worker = True
-
-        scheduled: list[ScheduledSeq] = []
-        inflight_reqs: dict[int, Request] = {}
-        work = [(r, 1) for r in decision.decodes] + decision.prefills
-        for req, n in work:
-            start_pos = req.num_computed_tokens
-            append = req.tokens_from(req.num_sent_tokens)
-            req.num_sent_tokens = req.num_tokens
-            scheduled.append(
-                ScheduledSeq(
-                    seq_id=req.seq_id,
-                    start_pos=start_pos,
-                    num_tokens=n,
-                    append_token_ids=append,
-                    new_block_ids=decision.new_blocks.get(req.seq_id, []),
-                    sample=start_pos + n == req.num_tokens,
-                )
-            )
-            inflight_reqs[req.seq_id] = req
-
+    def _build_plan(self, decision: BatchDecision, start: float, num_preempted: int) -> BatchPlan:
         self._step += 1
-        plan = BatchPlan(
-            step=self._step,
-            new_seqs=new_seqs,
-            scheduled=scheduled,
-            freed_seq_ids=self._pending_freed,
+        entry = build_plan(
+            decision, self._step, self._pending_freed, start, num_preempted, self.prefix_cache
         )
         self._pending_freed = []
-        self._inflight = plan
-        self._inflight_reqs = inflight_reqs
-        self._inflight_start = start
-        self._inflight_preempted = num_preempted
-        self._inflight_cache = cache_step
-        self._inflight_shape = shape_of_plan(plan, len(decision.decodes))
-        return plan
+        self._last_shape = entry.shape
+        self._pipeline.plan_sent(start, was_idle=not self._inflight)
+        self._inflight.push(entry)
+        return entry.plan
 
     def process_result(self, result: StepResult) -> list[RequestDelta]:
-        """Applies the in-flight plan's result: advances computed tokens, appends the
-        sampled tokens, finishes requests. Returns one delta per request that got a
-        token or finished (pending abort deltas first).
+        """Applies the result of the oldest plan in flight (results come in the order
+        the plans were built): advances computed tokens, appends the sampled tokens,
+        finishes requests. Returns one delta per request that got a token or finished
+        (pending abort deltas first).
 
         Raises RuntimeError when no plan is in flight or the step reports an error,
-        ValueError when the result does not match the plan (nothing is applied then).
+        ValueError when the result does not match that plan (nothing is applied then).
         """
-        plan = self._inflight
-        if plan is None:
+        entry = self._inflight.oldest()
+        if entry is None:
             raise RuntimeError("process_result() called with no plan in flight")
+        plan = entry.plan
         sampled = check_result(plan, result)
 
         now = self.clock()
@@ -360,7 +371,7 @@ class Scheduler:
         num_prefill_tokens = num_decode_tokens = num_prefill_seqs = num_decode_seqs = 0
         finished_any = False
         for s in plan.scheduled:
-            req = self._inflight_reqs[s.seq_id]
+            req = entry.reqs[s.seq_id]
             was_prefill = req.is_prefill
             if was_prefill:
                 num_prefill_tokens += s.num_tokens
@@ -390,34 +401,16 @@ class Scheduler:
         if finished_any:
             self.running[:] = [r for r in self.running if not r.is_finished]
 
+        self._inflight.pop()
         self._num_iterations += 1
-        self.iteration_records.append(
-            IterationRecord(
-                step=plan.step,
-                start=self._inflight_start,
-                end=now,
-                num_prefill_tokens=num_prefill_tokens,
-                num_decode_tokens=num_decode_tokens,
-                num_seqs=len(plan.scheduled),
-                num_prefill_seqs=num_prefill_seqs,
-                num_decode_seqs=num_decode_seqs,
-                num_preempted=self._inflight_preempted,
-                forward_s=result.forward_s,
-                cache_queries=self._inflight_cache.queries,
-                cache_hits=self._inflight_cache.hits,
-                preempted_cache_queries=self._inflight_cache.preempted_queries,
-                preempted_cache_hits=self._inflight_cache.preempted_hits,
-                prefill_attention_pairs=self._inflight_shape.prefill_attention_pairs,
-                decode_context_tokens=self._inflight_shape.decode_context_tokens,
-                num_sampled=self._inflight_shape.num_sampled,
-            )
-        )
+        counts = (num_prefill_tokens, num_decode_tokens, num_prefill_seqs, num_decode_seqs)
+        record = entry.record(result, now, counts)
+        self.iteration_records.append(record)
+        self._pipeline.result_in(record, now, idle=not self._inflight)
         if self.budget is not None:
             self.budget.observe_iteration(
-                self._inflight_shape, self._inflight_start, now, calibrated=not self.calibrating
+                entry.shape, entry.start, now, calibrated=not self.calibrating
             )
-        self._inflight = None
-        self._inflight_reqs = {}
         return deltas
 
     # ---- internals ----

@@ -8,6 +8,7 @@ a request before its first delta, and batching each iteration's deltas per shard
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -52,14 +53,23 @@ class SchedulerService:
     def __init__(self, scheduler: Scheduler, num_detokenizers: int) -> None:
         self.scheduler = scheduler
         self.num_detokenizers = num_detokenizers
-        self.in_flight: BatchPlan | None = None
-        # control messages that arrive while a plan is in flight wait for its result
+        # plans sent and not answered yet, oldest first (at most scheduler.max_inflight)
+        self.in_flight: deque[BatchPlan] = deque()
+        # control messages that arrive while a plan is in flight wait for the next result
         self.deferred: list[SchedulerInbound] = []
 
+    @property
+    def can_plan(self) -> bool:
+        """Whether another plan may be sent now (fewer than max_inflight in flight)."""
+        return self.scheduler.can_schedule()
+
     def on_inbound(self, msg: SchedulerInbound, acts: SchedulerActions) -> None:
-        if self.in_flight is not None and isinstance(msg, (Abort, StopStringHit, ResetPrefixCache)):
+        if self.in_flight and isinstance(msg, (Abort, StopStringHit, ResetPrefixCache)):
             self.deferred.append(msg)
             return
+        self._apply(msg, acts)
+
+    def _apply(self, msg: SchedulerInbound, acts: SchedulerActions) -> None:
         if isinstance(msg, AddRequest):
             max_waiting = self.scheduler.config.max_waiting
             if max_waiting and len(self.scheduler.waiting) >= max_waiting:
@@ -110,20 +120,31 @@ class SchedulerService:
         return out
 
     def next_plan(self) -> BatchPlan | None:
-        if self.in_flight is not None:
-            raise RuntimeError("a plan is already in flight")
+        """The next plan to send (None: nothing can run now). RuntimeError when
+        max_inflight plans are in flight already."""
+        if not self.can_plan:
+            raise RuntimeError(f"{len(self.in_flight)} plans are already in flight")
         plan = self.scheduler.schedule()
-        self.in_flight = plan
+        if plan is not None:
+            self.in_flight.append(plan)
         return plan
 
     def on_result(self, result: StepResult, acts: SchedulerActions) -> None:
-        if self.in_flight is None or result.step != self.in_flight.step:
-            raise RuntimeError(f"result for step {result.step} but none of that step is in flight")
-        self.in_flight = None
+        """Applies the result of the oldest plan in flight (RuntimeError for any other),
+        then the control messages deferred while it ran."""
+        if not self.in_flight or result.step != self.in_flight[0].step:
+            raise RuntimeError(
+                f"result for step {result.step} but the oldest plan in flight is "
+                f"{self.in_flight[0].step if self.in_flight else None}"
+            )
+        self.in_flight.popleft()
         self._route(self.scheduler.process_result(result), acts)
+        # an abort / stop applies between results: the scheduler skips a finished request
+        # still in a later plan in flight, and workers run plans in order, so its blocks
+        # are written by that plan before any later plan reuses them
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
-            self.on_inbound(msg, acts)
+            self._apply(msg, acts)
 
     def _route(self, deltas: list[RequestDelta], acts: SchedulerActions) -> None:
         shards: dict[int, list[RequestDelta]] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import msgspec
 
 from sarazmq.perf.shape import IterationShape, shape_of_fields
@@ -18,6 +20,8 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     iteration / how many of them the prefix cache held; preempted_cache_*: the same for
     re-admissions after a preemption. prefill_attention_pairs / decode_context_tokens /
     num_sampled: the rest of its `IterationShape`.
+    stage_busy_s / stage_wait_s: per pipeline stage, seconds it computed this plan / waited
+    for its incoming activations (`StepResult`); one stage without pipeline parallelism.
     """
 
     step: int
@@ -37,6 +41,8 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     prefill_attention_pairs: int = 0
     decode_context_tokens: int = 0
     num_sampled: int = 0
+    stage_busy_s: list[float] = []
+    stage_wait_s: list[float] = []
 
     def shape(self) -> IterationShape:
         """The iteration's shape (what the latency model predicts from)."""
@@ -56,6 +62,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     iterations (fractions of the measured time) and its safety margin; budget_*: mean
     prefill chunk with decodes running, iterations the slack cut below chunk_size, and
     iterations with no slack left (the minimum chunk ran).
+
+    Pipeline (see `bubble_fraction`): pipeline_parallel_size stages; active_s: seconds
+    with at least one plan in flight; stage_busy_s: per stage, seconds computing, summed;
+    bubble_fraction: idle stage time / total stage time over the active time.
     """
 
     num_waiting: int
@@ -83,6 +93,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     budget_mean_chunk: float = 0.0
     budget_limited_iterations: int = 0
     budget_min_chunk_iterations: int = 0
+    pipeline_parallel_size: int = 1
+    active_s: float = 0.0
+    stage_busy_s: list[float] = []
+    bubble_fraction: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -90,3 +104,72 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
         return (
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
+
+
+def active_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals (time with a plan in flight)."""
+    total = 0.0
+    cur_start = cur_end = None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None and cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None and cur_start is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def bubble_fraction_of(busy_s: float, active_s: float, num_stages: int) -> float:
+    """Idle stage time / total stage time: 1 - busy / (num_stages * active), in [0, 1]."""
+    total = num_stages * active_s
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - busy_s / total))
+
+
+def bubble_fraction(records: Sequence[IterationRecord], num_stages: int) -> float:
+    """The pipeline bubble fraction over a window of iterations (the simulator's metric
+    of the same name): every stage's total time is the active time (the union of the
+    iterations' [start, end]); its idle time is that minus the seconds it computed
+    (`stage_busy_s`). Returns summed idle / summed total over the stages, 0 for no
+    iterations. ValueError for num_stages < 1."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    busy = sum(sum(r.stage_busy_s) if r.stage_busy_s else r.forward_s for r in records)
+    return bubble_fraction_of(busy, active_seconds((r.start, r.end) for r in records), num_stages)
+
+
+class PipelineAccounting:
+    """The scheduler's running totals behind SchedulerStats' pipeline fields: active
+    time (some plan in flight) and every stage's busy time."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self.active_s = 0.0
+        self.stage_busy_s = [0.0] * num_stages
+        self._since = 0.0
+
+    def plan_sent(self, start: float, was_idle: bool) -> None:
+        if was_idle:
+            self._since = start
+
+    def result_in(self, record: IterationRecord, now: float, idle: bool) -> None:
+        """A plan's result is in; `idle`: no plan is in flight any more."""
+        for i, busy in enumerate(record.stage_busy_s[: self.num_stages]):
+            self.stage_busy_s[i] += busy
+        if idle:
+            self.active_s += now - self._since
+
+    def fields(self, now: float, busy_now: bool) -> dict[str, object]:
+        """SchedulerStats' pipeline fields at `now` (`busy_now`: a plan is in flight)."""
+        active = self.active_s + (now - self._since if busy_now else 0.0)
+        busy = list(self.stage_busy_s)
+        return {
+            "pipeline_parallel_size": self.num_stages,
+            "active_s": active,
+            "stage_busy_s": busy,
+            "bubble_fraction": bubble_fraction_of(sum(busy), active, self.num_stages),
+        }

@@ -14,6 +14,11 @@
   (engine defaults when missing; other keys are ignored, so a command's option dict can
   be passed as is).
 
+Pipeline parallelism: given a `perf.pipeline.PipelineLatency` of pp > 1 stages, `simulate`
+runs `pipeline.simulate_pipeline` (up to pp plans in flight, per-stage busy intervals in
+`SimOutcome.stage_spans`, the bubble fraction in `SimOutcome.pipeline`);
+`simulate_workload` then builds the scheduler with `max_inflight=pp`.
+
 The command-line side (latency source, KV pool size) is `sarazmq.cli.sim_options`.
 """
 

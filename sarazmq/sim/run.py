@@ -12,6 +12,7 @@ from typing import Any
 
 from sarazmq.config import SchedulerConfig
 from sarazmq.perf.model import LatencyModel
+from sarazmq.perf.pipeline import PipelineLatency
 from sarazmq.replay.workload import WorkloadRequest
 from sarazmq.scheduler.scheduler import Scheduler
 from sarazmq.sim.simulator import SimClock, SimOutcome, simulate
@@ -52,15 +53,18 @@ def build_sim_scheduler(
     num_blocks: int,
     max_model_len: int,
     seed: int,
+    max_inflight: int = 1,
 ) -> Scheduler:
     """A fresh real Scheduler for a simulation: the policy and limits of `sched_kw`, a
     pool of `num_blocks` blocks of `block_size` tokens, no EOS ids (requests run with
     ignore_eos), prefix caching as sched_kw["enable_prefix_caching"] says (default on),
-    and a `SimClock` (a TBT budget reads the clock it is built with)."""
+    and a `SimClock` (a TBT budget reads the clock it is built with). max_inflight: plans
+    in flight at once (a pipeline's stages)."""
     for name, value in (
         ("block_size", block_size),
         ("num_blocks", num_blocks),
         ("max_model_len", max_model_len),
+        ("max_inflight", max_inflight),
     ):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
@@ -74,6 +78,7 @@ def build_sim_scheduler(
         clock=SimClock(),
         seed=seed,
         enable_prefix_caching=caching,
+        max_inflight=max_inflight,
     )
 
 
@@ -90,12 +95,14 @@ def simulate_workload(
     progress: bool = False,
 ) -> SimOutcome:
     """Simulates `requests` on a fresh `build_sim_scheduler(sched_kw, ...)` with
-    iteration times from `latency` (plus overhead_s each); see `simulator.simulate`."""
+    iteration times from `latency` (plus overhead_s each); see `simulator.simulate`. A
+    `PipelineLatency` of pp stages gets a scheduler with pp plans in flight."""
     scheduler = build_sim_scheduler(
         sched_kw,
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         seed=seed,
+        max_inflight=latency.pp if isinstance(latency, PipelineLatency) else 1,
     )
     return simulate(requests, scheduler, latency, overhead_s=overhead_s, progress=progress)

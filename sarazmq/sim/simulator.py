@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from tqdm import tqdm
 
 from sarazmq.perf.model import LatencyModel
+from sarazmq.perf.pipeline import PipelineLatency
 from sarazmq.perf.shape import IterationShape
+from sarazmq.protocol.engine import RequestDelta
 from sarazmq.protocol.worker import StepResult
 from sarazmq.replay.metrics import IterationSample, RequestRecord
 from sarazmq.replay.workload import WorkloadRequest
@@ -42,6 +44,7 @@ from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.request import Request
 from sarazmq.scheduler.scheduler import Scheduler
 from sarazmq.scheduler.stats import IterationRecord
+from sarazmq.sim.pipeline import PipelineStats, Span, pipeline_stats, simulate_pipeline
 from sarazmq.validation import InvalidRequestError
 
 #: The token every simulated step samples (not an EOS: requests run with ignore_eos).
@@ -59,6 +62,9 @@ class SimOutcome:
     sim_time_s: the simulated clock at the end (last token of the run).
     wall_s: real seconds the simulation took.
     num_iterations: len(iterations).
+    pipeline: the stages' busy time and bubble fraction (`sim.pipeline`; one stage without
+        pipeline parallelism, bubble 0). None only where an outcome was built by hand.
+    stage_spans: per iteration (as `iterations`), each stage's busy (start, end).
     """
 
     records: list[RequestRecord]
@@ -66,6 +72,8 @@ class SimOutcome:
     sim_time_s: float
     wall_s: float
     num_iterations: int
+    pipeline: PipelineStats | None = None
+    stage_spans: list[tuple[Span, ...]] = field(default_factory=list)
 
 
 class ReplayLatency:
@@ -169,6 +177,47 @@ def _error_record(wr: WorkloadRequest, arrival: float, error: str) -> RequestRec
     )
 
 
+def _admit(
+    scheduler: Scheduler,
+    wr: WorkloadRequest,
+    index: int,
+    prompts: _Prompts,
+    arrival: float,
+    live: dict[str, tuple[int, Request]],
+) -> RequestRecord | None:
+    """Adds an arrived request to the scheduler (and to `live`); the error record of a
+    request the scheduler refuses, else None."""
+    try:
+        scheduler.add_request(
+            wr.request_id,
+            prompts(index, wr),
+            SamplingParams(max_tokens=wr.output_tokens, ignore_eos=True, temperature=0.0),
+            arrival_time=arrival,
+        )
+    except InvalidRequestError as e:
+        return _error_record(wr, arrival, f"InvalidRequestError: {e}")
+    req = scheduler.get_request(wr.request_id)
+    assert req is not None  # just added
+    live[wr.request_id] = (index, req)
+    return None
+
+
+def _collect(
+    deltas: Sequence[RequestDelta],
+    live: dict[str, tuple[int, Request]],
+    records: list[RequestRecord | None],
+    requests: Sequence[WorkloadRequest],
+) -> int:
+    """Records the requests these deltas finish (not scheduler-internal ones); how many."""
+    finished = 0
+    for d in deltas:
+        if d.finish_reason and d.request_id in live:
+            i, req = live.pop(d.request_id)
+            records[i] = _record(req, requests[i])
+            finished += 1
+    return finished
+
+
 def simulate(
     requests: Sequence[WorkloadRequest],
     scheduler: Scheduler,
@@ -188,7 +237,18 @@ def simulate(
     iteration's predicted time.
     exact_prompts: True: always the workload's real prompt ids; False: always stand-ins;
     None: real ids only where the prefix cache could see their sharing.
+    A `PipelineLatency` with pp > 1 simulates that pipeline (`sim.pipeline`; the scheduler
+    must allow pp plans in flight).
     """
+    if isinstance(latency, PipelineLatency) and latency.pp > 1:
+        return simulate_pipeline(
+            requests,
+            scheduler,
+            latency,
+            overhead_s=overhead_s,
+            progress=progress,
+            exact_prompts=exact_prompts,
+        )
     if not overhead_s >= 0:
         raise ValueError(f"overhead_s={overhead_s} must be >= 0")
     if scheduler.inflight or scheduler.stats().num_iterations:
@@ -224,6 +284,7 @@ def simulate(
     records: list[RequestRecord | None] = [None] * n
     live: dict[str, tuple[int, Request]] = {}
     iterations: list[IterationSample] = []
+    intervals: list[Span] = []  # each iteration's [start, end]: its one stage's busy span
     bar = tqdm(total=n, desc="simulate", unit="req", disable=not progress, dynamic_ncols=True)
     done = 0
     nxt = 0  # next request to arrive
@@ -231,25 +292,12 @@ def simulate(
         while True:
             now = clock.now
             while nxt < n and arrivals[nxt] <= now:
-                wr = requests[nxt]
-                try:
-                    scheduler.add_request(
-                        wr.request_id,
-                        prompts(nxt, wr),
-                        SamplingParams(
-                            max_tokens=wr.output_tokens, ignore_eos=True, temperature=0.0
-                        ),
-                        arrival_time=arrivals[nxt],
-                    )
-                except InvalidRequestError as e:
-                    records[nxt] = _error_record(wr, arrivals[nxt], f"InvalidRequestError: {e}")
+                error = _admit(scheduler, requests[nxt], nxt, prompts, arrivals[nxt], live)
+                if error is not None:
+                    records[nxt] = error
                     done += 1
                     if progress:
                         bar.update(1)
-                else:
-                    req = scheduler.get_request(wr.request_id)
-                    assert req is not None  # just added
-                    live[wr.request_id] = (nxt, req)
                 nxt += 1
             plan = scheduler.schedule()
             if plan is None:
@@ -275,12 +323,8 @@ def simulate(
             )
             for rec in scheduler.iterations_since(plan.step):
                 iterations.append(_sample(rec, dt))
-            finished = 0
-            for d in deltas:
-                if d.finish_reason and d.request_id in live:  # not a scheduler-internal one
-                    i, req = live.pop(d.request_id)
-                    records[i] = _record(req, requests[i])
-                    finished += 1
+            intervals.append((now, clock.now))
+            finished = _collect(deltas, live, records, requests)
             if finished:
                 done += finished
                 if progress:
@@ -296,4 +340,6 @@ def simulate(
         sim_time_s=clock.now,
         wall_s=time.perf_counter() - wall0,
         num_iterations=len(iterations),
+        pipeline=pipeline_stats(intervals, [(span,) for span in intervals], 1),
+        stage_spans=[(span,) for span in intervals],
     )

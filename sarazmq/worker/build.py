@@ -11,6 +11,7 @@ from sarazmq.kernels import select_attention_backend
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.loader import load_model, resolve_model
 from sarazmq.worker.model_runner import ModelRunner
+from sarazmq.worker.pipeline import ActivationLink, Placement, StageLinks
 from sarazmq.worker.sampler import Sampler
 
 
@@ -19,8 +20,21 @@ def build_model_runner(
     model_config: ModelConfig,
     rank: int = 0,
     tp_group: Any = None,
+    *,
+    recv_from: ActivationLink | None = None,
+    send_to: ActivationLink | None = None,
 ) -> ModelRunner:
-    """Loads this rank's model shard and KV cache; rank 0 also gets the sampler."""
+    """Loads this rank's model shard and KV cache (its pipeline stage's layers only); the
+    driver (tp rank 0 of the last stage) also gets the sampler.
+
+    rank: the global rank, stage * tp + tp_rank (`sarazmq.worker.pipeline.Placement`);
+    tp_group: the stage's tensor-parallel group; recv_from / send_to: the links from the
+    previous and to the next pipeline stage (needed exactly where those stages exist).
+    """
+    placement = Placement(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+    stage = (
+        StageLinks(placement, recv_from, send_to) if placement.pp_size > 1 else None
+    )  # checks the links before the slow load
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
@@ -34,9 +48,11 @@ def build_model_runner(
         dtype,
         device,
         attention,
-        tp_rank=rank,
+        tp_rank=placement.tp_rank,
         tp_size=config.tensor_parallel_size,
         tp_group=tp_group,
+        pp_rank=placement.pp_rank,
+        pp_size=placement.pp_size,
     )
     # on CPU: oneDNN-packed matmul weights (faster matmuls; see can_prepack_linear); then
     # the plain copies that no path reads any more (packed for many rows, the GGUF's
@@ -51,6 +67,7 @@ def build_model_runner(
         dtype,
         device,
         config.tensor_parallel_size,
+        num_layers=len(model.layer_range),
     )
-    sampler = Sampler(model_config.eos_token_ids) if rank == 0 else None
-    return ModelRunner(model, kv_caches, config.cache.block_size, sampler, device)
+    sampler = Sampler(model_config.eos_token_ids) if placement.is_driver else None
+    return ModelRunner(model, kv_caches, config.cache.block_size, sampler, device, stage)

@@ -2,7 +2,10 @@
 
 The runner is socket-free: the in-process engine calls `execute` directly and the
 worker process wraps it in a receive/send loop. Each tensor-parallel rank has its own
-runner over its own model shard and KV cache; only the driver (rank 0) samples.
+runner over its own model shard and KV cache; only the driver (tp rank 0 of the last
+pipeline stage) samples. Every pipeline stage applies every plan's diff (positions and
+block tables); a stage after the first takes its input activations from the previous
+stage and a stage before the last hands its own on (`sarazmq.worker.pipeline`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sarazmq.kernels.metadata import AttentionMetadata
+from sarazmq.protocol.common import TokenLogprobs
 from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
+from sarazmq.worker.pipeline import StageLinks, new_timings
 from sarazmq.worker.sampler import Sampler, SamplingSeq
 
 
@@ -44,13 +49,17 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler | None,
         device: torch.device,
+        stage: StageLinks | None = None,
     ) -> None:
+        """stage: this runner's pipeline stage and its activation links (None: the
+        whole model, no pipeline)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        # None on non-driver tensor-parallel ranks: they compute but never sample
+        # None on non-driver ranks: they compute but never sample
         self.sampler = sampler
         self.device = device
+        self.stage = stage
         self._seqs: dict[int, SeqState] = {}
         # float32 logits destination reused across steps (see LlamaForCausalLM.compute_logits)
         self._logits_buf: torch.Tensor | None = None
@@ -116,22 +125,69 @@ class ModelRunner:
         meta = AttentionMetadata.build(q_lens, k_lens, tables, self.block_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         pos_t = meta.positions  # [T]
+        stage = self.stage
+        inputs = timings = None
+        wait_s = 0.0
         with torch.inference_mode():
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, hidden]
+            if stage is not None:
+                pp = stage.placement.pp_size
+                if stage.recv_from is not None:
+                    t_wait = time.perf_counter()
+                    inputs, timings = stage.recv_from.recv(
+                        self.model.activation_shape(len(input_ids)), self.model_dtype, (2, pp)
+                    )
+                    wait_s = time.perf_counter() - t_wait
+                else:
+                    timings = new_timings(pp, self.device)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs)  # [T, hidden]
+            if stage is not None and timings is not None and stage.send_to is not None:
+                busy_s = time.perf_counter() - t0 - wait_s
+                timings[0, stage.placement.pp_rank] = busy_s
+                timings[1, stage.placement.pp_rank] = wait_s
+                stage.send_to.send(hidden, timings)
+                return StepResult(step=plan.step, forward_s=busy_s)
             if self.sampler is None or not sample_rows:
-                return StepResult(step=plan.step, forward_s=time.perf_counter() - t0)
+                return self._result(plan.step, t0, wait_s, timings, [], [], [])
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(
                 hidden.index_select(0, rows), self._logits_out(len(sample_rows))
             )  # [N, vocab]
             seqs = [self._sampling_seq(self._seqs[s]) for s in sample_seq_ids]
             token_ids, logprobs = self.sampler.sample(logits, seqs)
+        return self._result(plan.step, t0, wait_s, timings, sample_seq_ids, token_ids, logprobs)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype of the model's activations (its norm weights')."""
+        return self.model.layers[0].input_layernorm.dtype
+
+    def _result(
+        self,
+        step: int,
+        t0: float,
+        wait_s: float,
+        timings: torch.Tensor | None,
+        seq_ids: list[int],
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+    ) -> StepResult:
+        """The step's result; on the last pipeline stage with every stage's timings."""
+        forward_s = time.perf_counter() - t0
+        busy: list[float] = []
+        waits: list[float] = []
+        if timings is not None and self.stage is not None:
+            rank = self.stage.placement.pp_rank
+            times = timings.cpu().tolist()
+            busy, waits = times[0], times[1]
+            busy[rank], waits[rank] = forward_s - wait_s, wait_s
         return StepResult(
-            step=plan.step,
-            seq_ids=sample_seq_ids,
+            step=step,
+            seq_ids=seq_ids,
             token_ids=token_ids,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
-            forward_s=time.perf_counter() - t0,
+            forward_s=forward_s,
+            stage_busy_s=busy,
+            stage_wait_s=waits,
         )
 
     def sequence_ids(self) -> list[int]:

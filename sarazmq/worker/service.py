@@ -9,8 +9,9 @@ from sarazmq.worker.model_runner import ModelRunner
 class WorkerService:
     """What one worker rank does with each message from the scheduler.
 
-    Every rank runs every plan on its own shard; only the driver (rank 0) answers, since
-    only it samples. `stopped` turns True on `Shutdown`.
+    Every rank runs every plan on its own shard; only the driver (tp rank 0 of the last
+    pipeline stage; rank 0 without pipeline) answers, since only it samples. `stopped`
+    turns True on `Shutdown`.
     """
 
     def __init__(self, runner: ModelRunner, rank: int) -> None:
@@ -20,7 +21,8 @@ class WorkerService:
 
     @property
     def is_driver(self) -> bool:
-        return self.rank == 0
+        stage = self.runner.stage
+        return stage.placement.is_driver if stage is not None else self.rank == 0
 
     def on_message(self, msg: WorkerInbound) -> StepResult | None:
         """Runs a plan (the driver's result, None on other ranks) or notes a Shutdown."""
