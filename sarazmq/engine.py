@@ -121,7 +121,7 @@ class LLM:
         scheduler: str = "sarathi",
         chunk_size: int = 256,
         max_num_seqs: int = 64,
-        dtype: str = "float32",
+        dtype: str = "auto",
         **options: Any,
     ) -> None:
         """options: any other keyword of `EngineConfig.from_options` (block_size,
