@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,11 +21,13 @@ from sarazmq.frontend.prompts import PromptTokenizer
 from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.outputs import RequestOutput
 from sarazmq.protocol.common import FINISH_ERROR
-from sarazmq.resolve import resolve_engine_config
+from sarazmq.resolve import describe_dtype, resolve_engine_config
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.build import build_scheduler
 from sarazmq.validation import InvalidRequestError
 from sarazmq.worker.build import build_model_runner
+
+log = logging.getLogger("sarazmq.engine")
 
 Prompt = str | Sequence[int]
 
@@ -36,6 +39,7 @@ class LLMEngine:
         if config.tensor_parallel_size != 1:
             raise ValueError("the in-process engine runs tp=1; use `sarazmq serve --tp N`")
         self.config, self.model_config = resolve_engine_config(config)
+        log.info("engine: %s", describe_dtype(config.dtype, self.config.dtype))
         tokenizer = load_tokenizer(resolve_model(self.config.model))
         self.tokenizer = PromptTokenizer(
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len

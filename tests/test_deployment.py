@@ -272,6 +272,11 @@ def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -
     try:
         line = serve.stdout.readline()
         assert "serving" in line, serve.stderr.read() if serve.poll() is not None else line
+        from sarazmq.resolve import native_bf16
+
+        # the default dtype is auto, and the startup line says what it became
+        want = "bfloat16 (auto" if native_bf16("cpu") else "float32 (auto"
+        assert f"dtype {want}" in line, line
         rundir = line.rsplit("internal sockets in ", 1)[1].strip()
         procs = _children(serve.pid)
         assert len(procs) == 4, procs  # worker, scheduler, detokenizer, frontend
