@@ -21,7 +21,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(chunk_size=32, max_num_seqs=16, max_model_len=512, num_kv_blocks=256)
+    # float32: tests below compare outputs across batchings, which bf16 roundings follow
+    return LLM(
+        chunk_size=32, max_num_seqs=16, max_model_len=512, num_kv_blocks=256, dtype="float32"
+    )
 
 
 def test_unknown_model_and_policy_are_clear_errors() -> None:
@@ -131,7 +134,9 @@ def test_enforce_eager_runs_op_by_op_with_the_same_tokens(llm: LLM) -> None:
     # the fused one-call decode step (default) against the op-by-op model: 1-3 running
     # decodes run the very same kernels, so greedy tokens are identical
     assert llm.engine.runner.model.fused_decode
-    eager = LLM(max_num_seqs=16, max_model_len=512, num_kv_blocks=64, enforce_eager=True)
+    eager = LLM(
+        max_num_seqs=16, max_model_len=512, num_kv_blocks=64, enforce_eager=True, dtype="float32"
+    )
     assert eager.engine.runner.model.fused_decode is False
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for batch in ([PROMPTS[0]], PROMPTS[1:4]):
