@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES = ("sarathi", "vllm", "orca", "fastertransformer", "simple_chunking")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
 RESTART_POLICIES = ("no", "on-failure")
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -129,7 +129,8 @@ class EngineConfig:
     """Everything needed to build an engine; resolved (paths, sizes) before start."""
 
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    # "auto": bfloat16 where the hardware computes it natively, else float32 (resolve_dtype)
+    dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     attention_backend: str = "auto"
     # True: always run the model op by op; False: decode steps of a few sequences may run
@@ -174,7 +175,7 @@ class EngineConfig:
         scheduler: str = "sarathi",
         chunk_size: int = 256,
         max_num_seqs: int = 64,
-        dtype: str = "float32",
+        dtype: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int = 0,
         max_model_len: int = 0,

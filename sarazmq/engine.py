@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -26,13 +27,15 @@ from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.outputs import RequestOutput
 from sarazmq.protocol.common import FINISH_ERROR
 from sarazmq.protocol.worker import StepResult
-from sarazmq.resolve import resolve_engine_config
+from sarazmq.resolve import describe_dtype, resolve_engine_config
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.build import build_scheduler
 from sarazmq.validation import InvalidRequestError
 from sarazmq.worker.build import build_model_runner
 from sarazmq.worker.inprocess import InProcessPipeline, build_in_process_pipeline
 from sarazmq.worker.model_runner import ModelRunner
+
+log = logging.getLogger("sarazmq.engine")
 
 Prompt = str | Sequence[int]
 
@@ -47,6 +50,7 @@ class LLMEngine:
                 "runs tp=1; use `sarazmq serve --tp N`"
             )
         self.config, self.model_config = resolve_engine_config(config)
+        log.info("engine: %s", describe_dtype(config.dtype, self.config.dtype))
         tokenizer = load_tokenizer(resolve_model(self.config.model))
         self.tokenizer = PromptTokenizer(
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len
@@ -144,7 +148,7 @@ class LLM:
         scheduler: str = "sarathi",
         chunk_size: int = 256,
         max_num_seqs: int = 64,
-        dtype: str = "float32",
+        dtype: str = "auto",
         **options: Any,
     ) -> None:
         """options: any other keyword of `EngineConfig.from_options` (block_size,

@@ -8,6 +8,7 @@ import os
 import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
+from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.model.kv_cache import check_pipeline_parallel, kv_cache_bytes_per_block, stage_layers
 from sarazmq.model.loader import load_model_config, resolve_model
 
@@ -20,10 +21,44 @@ def available_memory_bytes(device: str) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def resolve_device(device: str) -> str:
+    """ "auto" is cuda where CUDA is available, else cpu; a cuda device needs CUDA."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    return device
+
+
+def native_bf16(device: str) -> bool:
+    """Whether `device` computes bfloat16 natively: a CUDA GPU with bf16 support, or a CPU
+    with AMX-BF16 or AVX512-BF16 (elsewhere bf16 matmuls are emulated, slower than float32)."""
+    if device.startswith("cuda"):
+        return bool(torch.cuda.is_bf16_supported())
+    return cpu_has_flag("amx_bf16") or cpu_has_flag("avx512_bf16")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype a run uses: `dtype` itself unless "auto", which is bfloat16 where the
+    device computes it natively and float32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def describe_dtype(requested: str, resolved: str) -> str:
+    """One line for startup output: the dtype in use and why."""
+    if requested != "auto":
+        return f"dtype {resolved}"
+    why = "native bf16 on this device" if resolved == "bfloat16" else "no native bf16 here"
+    return f"dtype {resolved} (auto: {why})"
+
+
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
     """Fills in device, max_model_len and the KV pool size; checks tensor-parallel fit.
 
-    Returns the resolved config (no field left on "auto"/0) and the model's architecture.
+    Returns the resolved config (no field left on "auto"/0, dtype included) and the
+    model's architecture.
     """
     source = resolve_model(config.model)
     model_config = load_model_config(source)
@@ -39,11 +74,9 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
             )
     pp = config.pipeline_parallel_size
     check_pipeline_parallel(model_config.num_layers, pp)
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    device = resolve_device(config.device)
+
+    dtype = resolve_dtype(config.dtype, device)
 
     sched = config.scheduler
     max_len = sched.max_model_len or model_config.max_position
@@ -60,7 +93,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
         # the first pipeline stage holds the most layers (see stage_layers)
         stage_layer_count = len(stage_layers(model_config.num_layers, pp, 0))
         per_block = kv_cache_bytes_per_block(
-            model_config, block_size, getattr(torch, config.dtype), tp, stage_layer_count
+            model_config, block_size, getattr(torch, dtype), tp, stage_layer_count
         )
         budget = available_memory_bytes(device) * cache.memory_fraction
         # every rank holds 1/tp of each block of its stage's layers; budget is per device
@@ -74,6 +107,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
     resolved = dataclasses.replace(
         config,
         device=device,
+        dtype=dtype,
         scheduler=dataclasses.replace(sched, max_model_len=max_len),
         cache=dataclasses.replace(cache, num_blocks=num_blocks),
     )

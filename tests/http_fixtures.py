@@ -30,7 +30,9 @@ class HTTPServer:
 
 
 def start_http_server() -> Iterator[HTTPServer]:
+    # float32: outputs are compared with an in-process engine's, batched differently
     config = EngineConfig(
+        dtype="float32",
         scheduler=SchedulerConfig(**ENGINE),
         cache=CacheConfig(block_size=16, num_blocks=NUM_KV_BLOCKS),
     )

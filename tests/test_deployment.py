@@ -36,6 +36,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
 def small_config(**kw: object) -> EngineConfig:
+    # float32: outputs are compared with the in-process engine's, batched differently, and
+    # bf16 roundings follow how a batch is composed
+    kw.setdefault("dtype", "float32")
     sched = SchedulerConfig(policy="sarathi", chunk_size=64, max_num_seqs=32, max_model_len=1024)
     return EngineConfig(scheduler=sched, cache=CacheConfig(block_size=16, num_blocks=1024), **kw)
 
@@ -52,7 +55,12 @@ def reference() -> dict[str, list[int]]:
     from sarazmq import LLM
 
     llm = LLM(
-        scheduler="sarathi", chunk_size=64, max_num_seqs=32, max_model_len=1024, num_kv_blocks=1024
+        dtype="float32",
+        scheduler="sarathi",
+        chunk_size=64,
+        max_num_seqs=32,
+        max_model_len=1024,
+        num_kv_blocks=1024,
     )
     outs = llm.generate(PROMPTS[:8], GREEDY)
     return {p: o.token_ids for p, o in zip(PROMPTS[:8], outs)}
@@ -200,6 +208,7 @@ def test_deployment_honours_the_engine_seed() -> None:
     sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, ignore_eos=True)
     prompts = PROMPTS[:3]
     llm = LLM(
+        dtype="float32",
         scheduler="sarathi",
         chunk_size=64,
         max_num_seqs=32,
@@ -272,6 +281,11 @@ def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -
     try:
         line = serve.stdout.readline()
         assert "serving" in line, serve.stderr.read() if serve.poll() is not None else line
+        from sarazmq.resolve import native_bf16
+
+        # the default dtype is auto, and the startup line says what it became
+        want = "bfloat16 (auto" if native_bf16("cpu") else "float32 (auto"
+        assert f"dtype {want}" in line, line
         rundir = line.rsplit("internal sockets in ", 1)[1].strip()
         procs = _children(serve.pid)
         assert len(procs) == 4, procs  # worker, scheduler, detokenizer, frontend

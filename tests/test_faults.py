@@ -115,6 +115,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     log_file = tmp_path_factory.mktemp("logs") / "deployment.log"
     config = EngineConfig(
         num_threads=1,
+        dtype="float32",
         scheduler=SchedulerConfig(
             policy="sarathi", chunk_size=256, max_num_seqs=64, max_model_len=MAX_MODEL_LEN
         ),

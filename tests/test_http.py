@@ -36,7 +36,7 @@ def server() -> Iterator[HTTPServer]:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(chunk_size=64, max_model_len=512, num_kv_blocks=256)
+    return LLM(chunk_size=64, max_model_len=512, num_kv_blocks=256, dtype="float32")
 
 
 @pytest.fixture(scope="module")

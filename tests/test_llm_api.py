@@ -21,7 +21,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(chunk_size=32, max_num_seqs=16, max_model_len=512, num_kv_blocks=256)
+    # float32: tests below compare outputs across batchings, which bf16 roundings follow
+    return LLM(
+        chunk_size=32, max_num_seqs=16, max_model_len=512, num_kv_blocks=256, dtype="float32"
+    )
 
 
 def test_unknown_model_and_policy_are_clear_errors() -> None:
@@ -131,10 +134,37 @@ def test_enforce_eager_runs_op_by_op_with_the_same_tokens(llm: LLM) -> None:
     # the fused one-call decode step (default) against the op-by-op model: 1-3 running
     # decodes run the very same kernels, so greedy tokens are identical
     assert llm.engine.runner.model.fused_decode
-    eager = LLM(max_num_seqs=16, max_model_len=512, num_kv_blocks=64, enforce_eager=True)
+    eager = LLM(
+        max_num_seqs=16, max_model_len=512, num_kv_blocks=64, enforce_eager=True, dtype="float32"
+    )
     assert eager.engine.runner.model.fused_decode is False
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for batch in ([PROMPTS[0]], PROMPTS[1:4]):
         assert [o.token_ids for o in eager.generate(batch, params)] == [
             o.token_ids for o in llm.generate(batch, params)
         ]
+
+
+def test_auto_dtype_is_bf16_exactly_where_the_hardware_has_it(monkeypatch) -> None:  # noqa: ANN001
+    import sarazmq.resolve as resolve
+
+    assert resolve.resolve_dtype("float16", "cpu") == "float16"
+    for flags, want in (
+        ({"amx_bf16"}, "bfloat16"),
+        ({"avx512_bf16"}, "bfloat16"),
+        (set(), "float32"),
+    ):
+        monkeypatch.setattr(resolve, "cpu_has_flag", lambda f, flags=flags: f in flags)
+        assert resolve.resolve_dtype("auto", "cpu") == want
+        assert resolve.resolve_dtype("float32", "cpu") == "float32"
+    assert "auto" in resolve.describe_dtype("auto", "float32")
+    assert resolve.describe_dtype("bfloat16", "bfloat16") == "dtype bfloat16"
+
+
+def test_the_resolved_config_names_a_concrete_dtype() -> None:
+    from sarazmq.config import EngineConfig
+    from sarazmq.resolve import native_bf16, resolve_engine_config
+
+    assert EngineConfig().dtype == "auto"
+    resolved, _ = resolve_engine_config(EngineConfig())
+    assert resolved.dtype == ("bfloat16" if native_bf16(resolved.device) else "float32")

@@ -39,7 +39,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 CHAT = "Tell me about the sea."
 CHAT_TOKENS = 16
 ENGINE = ["--tp", "2", "--threads", "1", "--chunk-size", "64", "--max-model-len", "4096"]
-ENGINE += ["--num-kv-blocks", "512", "--log-level", "ERROR"]
+ENGINE += ["--num-kv-blocks", "512", "--log-level", "ERROR", "--dtype", "float32"]
 
 
 def test_node_settings_are_checked() -> None:
@@ -99,6 +99,7 @@ def reference(tiny_model: str) -> dict[str, object]:
         model=tiny_model,
         tensor_parallel_size=2,
         num_threads=1,
+        dtype="float32",  # outputs are compared across deployments
         scheduler=SchedulerConfig(chunk_size=64, max_model_len=4096),
         cache=CacheConfig(num_blocks=512),
     )
@@ -313,7 +314,9 @@ def test_pipeline_across_nodes_restarts_when_a_node_returns(
     head worker brings both back by themselves; SIGTERM to the head stops both (exit 0)."""
     from sarazmq import LLM
 
-    llm = LLM(model=tiny_model, chunk_size=64, max_model_len=4096, num_kv_blocks=512)
+    llm = LLM(
+        model=tiny_model, chunk_size=64, max_model_len=4096, num_kv_blocks=512, dtype="float32"
+    )
     expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     del llm
     endpoint = f"ipc://{tmp_path}/restart.ipc"

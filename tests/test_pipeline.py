@@ -329,7 +329,16 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _small(policy: str = "sarathi") -> dict[str, object]:
-    return dict(scheduler=policy, chunk_size=32, max_num_seqs=8, num_kv_blocks=64, block_size=4)
+    # float32: micro-batches are composed differently from PP=1's batches, and bf16
+    # roundings follow a batch's composition
+    return dict(
+        scheduler=policy,
+        chunk_size=32,
+        max_num_seqs=8,
+        num_kv_blocks=64,
+        block_size=4,
+        dtype="float32",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +364,7 @@ def _deployment_config(model: str, tp: int, pp: int, policy: str) -> EngineConfi
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         num_threads=1,
+        dtype="float32",
         scheduler=SchedulerConfig(policy=policy, chunk_size=32, max_num_seqs=8),
         cache=CacheConfig(block_size=4, num_blocks=64),
     )

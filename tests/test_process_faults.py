@@ -85,7 +85,7 @@ def test_kill_each_kind_restarts_then_sigterm_drains(tmp_path: Path) -> None:
         sys.executable, "-m", "sarazmq.cli", "serve", "--endpoint", endpoint,
         "--restart", "on-failure", "--max-restarts", "4", "--drain-timeout", "3",
         "--chunk-size", "64", "--max-model-len", "512", "--num-kv-blocks", "128",
-        "--threads", "1", "--detokenizers", "2",
+        "--threads", "1", "--detokenizers", "2", "--dtype", "float32",
     ]
     # fmt: on
     with open(log, "w") as err:
@@ -169,6 +169,7 @@ def test_kill_launcher_leaves_no_process_and_no_file(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "sarazmq.cli", "serve", "--endpoint", endpoint,
         "--max-model-len", "256", "--num-kv-blocks", "32", "--threads", "1",
+        "--dtype", "float32",
     ]
     # fmt: on
     serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

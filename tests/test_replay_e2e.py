@@ -51,6 +51,7 @@ def deployment():
     # and each iteration gets several times slower.
     config = EngineConfig(
         num_threads=1,
+        dtype="float32",
         scheduler=SchedulerConfig(policy="sarathi", chunk_size=64, max_model_len=1024),
         cache=CacheConfig(block_size=16, num_blocks=512),
     )

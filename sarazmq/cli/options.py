@@ -83,7 +83,14 @@ engine_options = stack(
         show_default=True,
         help="detokenizer processes",
     ),
-    click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
+    click.option(
+        "--dtype",
+        type=click.Choice(DTYPES),
+        default="auto",
+        show_default=True,
+        help="auto: bfloat16 where the hardware computes it natively (AMX or AVX512-BF16 CPUs, "
+        "CUDA GPUs with bf16), else float32",
+    ),
     click.option(
         "--num-kv-blocks",
         default=0,

@@ -122,6 +122,7 @@ def serve(
     Exits 0 after a requested stop (in-flight requests drained), 1 when a process died
     (and was not, or could no longer be, restarted) or the head refused this node."""
     from sarazmq.procs.launcher import Deployment, DeploymentError
+    from sarazmq.resolve import describe_dtype
 
     config = engine_config(kw)
     key = read_api_key(api_key, api_key_file)
@@ -171,7 +172,8 @@ def serve(
         raise click.ClickException(str(e)) from None
     sched = dep.config.scheduler
     click.echo(
-        f"sarazmq serving {dep.config.model} ({sched.policy}, chunk {sched.chunk_size}, "
+        f"sarazmq serving {dep.config.model} ({describe_dtype(config.dtype, dep.config.dtype)}, "
+        f"{sched.policy}, chunk {sched.chunk_size}, "
         f"tp {dep.config.tensor_parallel_size} x pp {dep.config.pipeline_parallel_size}"
         + (f" over {nnodes} nodes" if nnodes > 1 else "")
         + f", {dep.config.cache.num_blocks} KV blocks) on "

@@ -17,7 +17,7 @@ from sarazmq.cli.sim_options import (
     sim_geometry,
     sim_vocabulary,
 )
-from sarazmq.cli.sweep_backends import machine_probe, real_backend_of, sim_backend_of
+from sarazmq.cli.sweep_backends import machine_probe, real_backend_of, run_dtype, sim_backend_of
 from sarazmq.cli.workload_options import parse_policies
 from sarazmq.sweep.grid import DEFAULT_CHUNK, DEFAULT_CHUNKS, DEFAULT_SHARES, SweepGrid
 from sarazmq.sweep.mix import (
@@ -303,7 +303,7 @@ def sweep(**kw: Any) -> None:
             backend,
             settings,
             caps=caps,
-            probe=machine_probe(kw["do_probe"] and not kw["simulate"], kw["dtype"]),
+            probe=machine_probe(kw["do_probe"] and not kw["simulate"], run_dtype(kw)),
             echo=click.echo,
         )
     except SweepFileError as e:

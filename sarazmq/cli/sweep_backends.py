@@ -31,6 +31,13 @@ def machine_probe(enabled: bool, dtype: str) -> Callable[[], tuple[float, float]
     return probe
 
 
+def run_dtype(kw: dict[str, Any]) -> str:
+    """The dtype the engine options `kw` run in ("auto" resolved for their device)."""
+    from sarazmq.resolve import resolve_device, resolve_dtype
+
+    return resolve_dtype(kw["dtype"], resolve_device(kw.get("device", "auto")))
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per weight/KV element of a run dtype (float32: 4, bf16/fp16: 2)."""
     return 4 if dtype == "float32" else 2
@@ -44,7 +51,7 @@ def real_backend_of(
     from sarazmq.sweep.backends import ReplayOptions, real_backend
 
     tp = kw["tensor_parallel_size"]
-    cost = ModelCost.from_model_config(model_config, dtype_bytes(kw["dtype"]), tp)
+    cost = ModelCost.from_model_config(model_config, dtype_bytes(run_dtype(kw)), tp)
     backend = real_backend(
         base,
         DeploymentConfig(num_detokenizers=kw["num_detokenizers"]),
@@ -78,7 +85,7 @@ def sim_backend_of(
         cost = ModelCost.from_architecture(kw["arch"], GPU_ELEM_BYTES, tp)
         peak, bandwidth = gpu.peak_flops, gpu.bandwidth
     else:
-        cost = ModelCost.from_model_config(model_config, dtype_bytes(kw["dtype"]), tp)
+        cost = ModelCost.from_model_config(model_config, dtype_bytes(run_dtype(kw)), tp)
         machine = info.get("machine") if isinstance(info.get("machine"), dict) else {}
         peak, bandwidth = machine.get("gemm_flops"), machine.get("bandwidth_bytes_s")
     setup = SimSetup(

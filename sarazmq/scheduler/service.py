@@ -147,6 +147,10 @@ class SchedulerService:
             self._apply(msg, acts)
 
     def _route(self, deltas: list[RequestDelta], acts: SchedulerActions) -> None:
+        if self.num_detokenizers == 1:
+            if deltas:
+                acts.detok(0, DeltaBatch(deltas))
+            return
         shards: dict[int, list[RequestDelta]] = {}
         for d in deltas:
             shards.setdefault(detokenizer_shard(d.request_id, self.num_detokenizers), []).append(d)
