@@ -38,7 +38,7 @@ import torch
 
 from .block_quant import BlockQuantWeight
 from .metadata import AttentionMetadata
-from .native import load_library
+from .native import cpu_has_flag, load_library
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _STEP_ARGTYPES = [
@@ -72,8 +72,13 @@ _SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"
 # matrix-vector kernel takes at most 8 rows (GEMV_MAX_ROWS in kernels.h).
 FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
 # The same with every matmul as the GGUF's quantized blocks (past 8 rows the kernel takes
-# them 8 at a time per weight tile): docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS"
-FUSED_MAX_ROWS_BLOCKS = {torch.bfloat16: 16, torch.float32: 32}
+# them 8 at a time per weight tile): docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS". On CPUs
+# with AMX the per-op path's bf16 matmuls run on the AMX tiles and overtake the block
+# kernel past 8 rows (docs/PERF_RESULT.md, "Sixth round").
+FUSED_MAX_ROWS_BLOCKS = {
+    torch.bfloat16: 8 if cpu_has_flag("amx_bf16") else 16,
+    torch.float32: 32,
+}
 
 
 Matmul = torch.Tensor | BlockQuantWeight
