@@ -403,3 +403,27 @@ def test_kv_cache_is_allocated_for_the_stage_layers_only(tiny_model: str) -> Non
     runners = llm.engine.runner.runners  # type: ignore[union-attr]
     assert [len(r.kv_caches) for r in runners] == [3, 2]
     assert runners[0].sampler is None and runners[1].sampler is not None
+
+
+def test_replay_reports_the_pipeline_of_a_multi_stage_deployment() -> None:
+    from sarazmq.cli.runs import pipeline_line, pipeline_summary
+
+    one = {"server_stats_at_end": {"pipeline_parallel_size": 1, "bubble_fraction": 0.0}}
+    assert pipeline_summary(one) is None
+    assert pipeline_summary({}) is None
+    end = {
+        "pipeline_parallel_size": 2,
+        "bubble_fraction": 0.25,
+        "active_s": 10.0,
+        "stage_busy_s": [7.0, 8.0],
+        "num_running": 0,
+    }
+    summary = pipeline_summary({"server_stats_at_end": end})
+    assert summary == {
+        "pipeline_parallel_size": 2,
+        "bubble_fraction": 0.25,
+        "active_s": 10.0,
+        "stage_busy_s": [7.0, 8.0],
+    }
+    line = pipeline_line(summary)
+    assert "2 stages" in line and "bubble fraction 0.250" in line and "0.70, 0.80" in line

@@ -14,6 +14,8 @@ from sarazmq.cli.runs import (
     adaptive_summary,
     check_fit,
     engine_line,
+    pipeline_line,
+    pipeline_summary,
     run_settings,
     run_workload,
 )
@@ -95,6 +97,9 @@ def replay(trace: str, **kw: Any) -> None:
         budget = adaptive_summary(out.settings)
         if budget is not None:
             summary["adaptive_budget"] = budget
+        pipeline = pipeline_summary(out.settings)
+        if pipeline is not None:
+            summary["pipeline"] = pipeline
         run_dir = out_dir / policy if comparing else out_dir
         write_run(
             run_dir,
@@ -109,6 +114,8 @@ def replay(trace: str, **kw: Any) -> None:
         click.echo(format_table(summary))
         if budget is not None:
             click.echo(adaptive_line(budget))
+        if pipeline is not None:
+            click.echo(pipeline_line(pipeline))
         click.echo(f"wrote {run_dir}/")
         summaries[policy] = summary
         records[policy] = out.records

@@ -108,6 +108,25 @@ def adaptive_summary(settings: Mapping[str, Any]) -> dict[str, Any] | None:
     return {k: end.get(k, 0) for k in keys}
 
 
+def pipeline_summary(settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The pipeline's figures at the end of a run (None with one stage): stages, the
+    bubble fraction and each stage's busy seconds, over the deployment's life."""
+    end = settings.get("server_stats_at_end") or {}
+    if end.get("pipeline_parallel_size", 1) <= 1:
+        return None
+    keys = ("pipeline_parallel_size", "bubble_fraction", "active_s", "stage_busy_s")
+    return {k: end.get(k) for k in keys}
+
+
+def pipeline_line(pipeline: Mapping[str, Any]) -> str:
+    active = pipeline["active_s"] or 0.0
+    shares = ", ".join(f"{b / active:.2f}" if active else "-" for b in pipeline["stage_busy_s"])
+    return (
+        f"pipeline: {pipeline['pipeline_parallel_size']} stages, bubble fraction "
+        f"{pipeline['bubble_fraction']:.3f}, stage busy shares {shares}"
+    )
+
+
 def adaptive_line(budget: Mapping[str, Any]) -> str:
     return (
         f"adaptive budget: TBT target {budget['tbt_slo'] * 1e3:.0f} ms, mean chunk "
