@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
@@ -39,9 +39,16 @@ from sarazmq.replay.workload import WorkloadRequest
 from sarazmq.scheduler.request import Request
 from sarazmq.scheduler.scheduler import Scheduler
 from sarazmq.scheduler.stats import active_seconds, bubble_fraction_of
-
-if TYPE_CHECKING:
-    from sarazmq.sim.simulator import SimOutcome
+from sarazmq.sim.common import (
+    DUMMY_TOKEN,
+    SimClock,
+    SimOutcome,
+    StandinPrompts,
+    admit,
+    check_run_inputs,
+    collect,
+    iteration_sample,
+)
 
 #: one stage's busy interval (start, end) in simulated seconds
 Span = tuple[float, float]
@@ -158,11 +165,7 @@ def simulate_pipeline(
     returns a `SimOutcome` with its `pipeline` stats. overhead_s is added to stage 0 of
     every micro-batch. The scheduler must be fresh, allow latency.pp plans in flight
     (`max_inflight`) and have no TBT budget (ValueError otherwise)."""
-    from sarazmq.sim import simulator as sim  # the shared pieces; it imports this module
-
     pp = latency.pp
-    if not overhead_s >= 0:
-        raise ValueError(f"overhead_s={overhead_s} must be >= 0")
     if getattr(scheduler, "max_inflight", 1) < pp:
         raise ValueError(
             f"a {pp}-stage pipeline needs a scheduler with max_inflight >= {pp} (it has "
@@ -170,16 +173,12 @@ def simulate_pipeline(
         )
     if scheduler.budget is not None:
         raise ValueError("the adaptive TBT budget is not simulated with pipeline parallelism")
-    if scheduler.inflight or scheduler.stats().num_iterations:
-        raise ValueError("simulate needs a fresh scheduler (it has run iterations)")
-    arrivals = [r.arrival_s for r in requests]
-    if any(b < a for a, b in zip(arrivals, arrivals[1:], strict=False)):
-        raise ValueError("requests must be sorted by arrival_s")
+    arrivals = check_run_inputs(requests, scheduler, overhead_s)
     wall0 = time.perf_counter()
-    clock = scheduler.clock if isinstance(scheduler.clock, sim.SimClock) else sim.SimClock()
+    clock = scheduler.clock if isinstance(scheduler.clock, SimClock) else SimClock()
     clock.now = 0.0
     scheduler.clock = clock
-    prompts = sim._Prompts(exact_prompts, scheduler.blocks.enable_caching, len(requests))
+    prompts = StandinPrompts(exact_prompts, scheduler.blocks.enable_caching, len(requests))
     timeline = StageTimeline(pp)
     n = len(requests)
     records: list[RequestRecord | None] = [None] * n
@@ -194,7 +193,7 @@ def simulate_pipeline(
         while True:
             now = clock.now
             while nxt < n and arrivals[nxt] <= now:
-                error = sim._admit(scheduler, requests[nxt], nxt, prompts, arrivals[nxt], live)
+                error = admit(scheduler, requests[nxt], nxt, prompts, arrivals[nxt], live)
                 if error is not None:
                     records[nxt] = error
                     done += 1
@@ -236,7 +235,7 @@ def simulate_pipeline(
                 StepResult(
                     step=plan.step,
                     seq_ids=sampled,
-                    token_ids=[sim.DUMMY_TOKEN] * len(sampled),
+                    token_ids=[DUMMY_TOKEN] * len(sampled),
                     forward_s=end - head.spans[0][0],
                     stage_busy_s=busy,
                     stage_wait_s=waits,
@@ -244,17 +243,17 @@ def simulate_pipeline(
             )
             for rec in scheduler.iterations_since(plan.step):
                 if rec.step == plan.step:
-                    iterations.append(sim._sample(rec, end - head.spans[0][0]))
+                    iterations.append(iteration_sample(rec, end - head.spans[0][0]))
             intervals.append((head.scheduled, end))
             stage_spans.append(head.spans)
-            finished = sim._collect(deltas, live, records, requests)
+            finished = collect(deltas, live, records, requests)
             done += finished
             bar.update(finished)
     finally:
         bar.close()
     if done != n or any(r is None for r in records):
         raise RuntimeError(f"{n - done} request(s) left no record")
-    return sim.SimOutcome(
+    return SimOutcome(
         records=[r for r in records if r is not None],
         iterations=iterations,
         sim_time_s=clock.now,
