@@ -15,6 +15,7 @@ import pytest
 from proc_utils import alive as _alive
 from proc_utils import sarazmq_children as _children
 
+from sarazmq import LLM
 from sarazmq.client import AsyncClient, Client, EngineError, RequestError
 from sarazmq.config import CacheConfig, DeploymentConfig, EngineConfig, SchedulerConfig
 from sarazmq.procs.launcher import Deployment, DeploymentError
@@ -43,6 +44,19 @@ def small_config(**kw: object) -> EngineConfig:
     return EngineConfig(scheduler=sched, cache=CacheConfig(block_size=16, num_blocks=1024), **kw)
 
 
+def small_llm(**kw: object) -> LLM:
+    """The in-process engine of `small_config` (float32 for the same reason)."""
+    return LLM(
+        dtype="float32",
+        scheduler="sarathi",
+        chunk_size=64,
+        max_num_seqs=32,
+        max_model_len=1024,
+        num_kv_blocks=1024,
+        **kw,
+    )
+
+
 @pytest.fixture(scope="module")
 def deployment() -> Deployment:
     with Deployment(small_config(), DeploymentConfig(num_detokenizers=2)) as dep:
@@ -52,16 +66,7 @@ def deployment() -> Deployment:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     """Greedy outputs of the in-process engine for PROMPTS."""
-    from sarazmq import LLM
-
-    llm = LLM(
-        dtype="float32",
-        scheduler="sarathi",
-        chunk_size=64,
-        max_num_seqs=32,
-        max_model_len=1024,
-        num_kv_blocks=1024,
-    )
+    llm = small_llm()
     outs = llm.generate(PROMPTS[:8], GREEDY)
     return {p: o.token_ids for p, o in zip(PROMPTS[:8], outs)}
 
@@ -203,19 +208,9 @@ def test_tp2_is_refused_with_a_clear_message() -> None:
 def test_deployment_honours_the_engine_seed() -> None:
     """Requests without their own seed get seeds drawn from EngineConfig.seed, in arrival
     order, in a deployment exactly as in `LLM` (the scheduler process once dropped it)."""
-    from sarazmq import LLM
-
     sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, ignore_eos=True)
     prompts = PROMPTS[:3]
-    llm = LLM(
-        dtype="float32",
-        scheduler="sarathi",
-        chunk_size=64,
-        max_num_seqs=32,
-        max_model_len=1024,
-        num_kv_blocks=1024,
-        seed=1234,
-    )
+    llm = small_llm(seed=1234)
     # one at a time: each request's seed is the next draw of the engine's generator
     expected = [llm.generate(p, sampled)[0].token_ids for p in prompts]
     with Deployment(small_config(seed=1234)) as dep, Client(dep.endpoint) as c:
