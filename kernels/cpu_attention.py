@@ -6,9 +6,11 @@ small OpenMP C kernel: no gathered copy of the KV (the torch backend's `index_se
 and no per-group SDPA calls. Memory traffic, not math, bounds decode attention, so
 reading the cache once is most of the win. bf16 prefill chunks on CPUs with AVX512-BF16
 also run natively (`prefill_attention`: causal, over the cached context and the chunk in
-one pass, VDPBF16PS dot products), faster than SDPA's CPU kernel, which computes bf16 in
-float32, on CPUs without AMX. On CPUs with AMX, SDPA's kernel runs its bf16 matmuls on
-the AMX tiles, and the backend keeps it (the native kernel was not measured there).
+one pass): on CPUs with AMX the matmuls on the tiles (kernels/csrc/prefill_amx.c), which
+beats SDPA's CPU kernel (its bf16 matmuls on the tiles too, but the chunk and its context
+as two calls merged by log-sum-exp); on CPUs with only AVX512-BF16 VDPBF16PS dot
+products, faster than SDPA there (which computes bf16 in float32). Where AMX is present
+but the kernel cannot use it, SDPA stays (it beats the VDPBF16PS kernel on AMX CPUs).
 float32 chunks keep the SDPA path (context and chunk merged by log-sum-exp). Numbers:
 docs/KERNELS.md, "CPU attention". Falls back to the torch path entirely when the kernels
 cannot be built (no C compiler) or a shape is beyond their limits.
@@ -24,6 +26,7 @@ from .cpu_attention_kernels import (
     cpu_attention_available,
     gather_blocks_native,
     paged_decode_attention,
+    prefill_amx_available,
     prefill_attention,
     prefill_scratch_elems,
     write_kv_cache_native,
@@ -49,11 +52,11 @@ class CpuPagedAttention(TorchPagedAttention):
         self, decode_group_bytes: int = _DECODE_GROUP_BYTES, native_prefill: bool | None = None
     ) -> None:
         """native_prefill: bf16 prefill chunks through the native kernel (True) or SDPA
-        (False); None: the native kernel except where SDPA has AMX (module docstring)."""
+        (False); None: the native kernel where it is the faster one (module docstring)."""
         super().__init__(decode_group_bytes)
-        self.native_prefill = (
-            not cpu_has_flag("amx_bf16") if native_prefill is None else native_prefill
-        )
+        if native_prefill is None:
+            native_prefill = prefill_amx_available() or not cpu_has_flag("amx_bf16")
+        self.native_prefill = native_prefill
         # the model takes its fused elementwise ops and matmuls from here
         self.ops: HotOps
         try:

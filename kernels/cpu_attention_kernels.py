@@ -83,6 +83,10 @@ class _Kernels:
         self.prefill_bf16 = lib.prefill_attention_bf16
         self.prefill_bf16.argtypes = _PREFILL_ARGTYPES
         self.prefill_bf16.restype = _c_int
+        self.prefill_amx = lib.prefill_attention_amx_bf16
+        self.prefill_amx.argtypes = _PREFILL_ARGTYPES
+        self.prefill_amx.restype = _c_int
+        self.amx_supported = bool(lib.prefill_amx_supported())
         self.write_kv = lib.write_kv_cache
         self.write_kv.argtypes = _WRITE_ARGTYPES
         self.write_kv.restype = _c_int
@@ -207,6 +211,16 @@ def paged_decode_attention(
     return out if rc == 0 else None
 
 
+PREFILL_KERNELS = ("auto", "amx", "avx512")
+
+
+def prefill_amx_available() -> bool:
+    """Whether the AMX prefill kernel runs here (built for a CPU with AMX tiles, and the
+    kernel granted the tile state by Linux)."""
+    kernels = _get_kernels()
+    return kernels is not None and kernels.amx_supported
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -216,17 +230,22 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     scratch: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> bool:
     """Causal attention of one prefill chunk over its whole sequence, read from the paged
-    cache (bf16 on CPUs with AVX512-BF16, head size 64 or 128); False when the kernel does
-    not apply and nothing was written.
+    cache (bf16, head size 64 or 128); False when the kernel does not apply and nothing
+    was written.
 
     q: [q_len, H, D] (token stride free, heads contiguous), the queries at positions
     k_len - q_len .. k_len - 1; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     contiguous, holding all k_len keys (the chunk's own included); block_table: int32
     block ids of the sequence; out: [q_len, H, D] like q (token stride free);
     scratch: optional bf16 buffer of >= `prefill_scratch_elems` elements.
+    kernel: "amx" (matmuls on AMX tiles, prefill_amx.c), "avx512" (VDPBF16PS dot
+    products, CPUs with AVX512-BF16) or "auto" (AMX where it runs, else AVX-512).
     """
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"prefill kernel {kernel!r} is not one of {PREFILL_KERNELS}")
     kernels = _get_kernels()
     if kernels is None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
         return False
@@ -250,7 +269,7 @@ def prefill_attention(
     need = prefill_scratch_elems(k_len, hkv, d)
     if scratch is None or scratch.numel() < need or scratch.dtype != q.dtype:
         scratch = torch.empty(need, dtype=q.dtype)
-    rc = kernels.prefill_bf16(
+    args = (
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -268,6 +287,11 @@ def prefill_attention(
         k_cache.shape[0],
         scratch.data_ptr(),
     )
+    rc = -1
+    if kernel != "avx512" and kernels.amx_supported:
+        rc = kernels.prefill_amx(*args)
+    if rc == -1 and kernel != "amx":
+        rc = kernels.prefill_bf16(*args)
     if rc == -2:
         raise IndexError(
             f"prefill attention: a block id reaches outside the KV cache "
@@ -278,8 +302,8 @@ def prefill_attention(
 
 def prefill_scratch_elems(k_len: int, num_kv_heads: int, head_dim: int) -> int:
     """Elements of the packed-K/V scratch `prefill_attention` needs: K and V of every KV
-    head in runs of 16 keys."""
-    return 2 * num_kv_heads * -(-k_len // 16) * 16 * head_dim
+    head, whole steps of 64 keys (the AMX kernel's step; the AVX-512 one takes 16)."""
+    return 2 * num_kv_heads * -(-k_len // 64) * 64 * head_dim
 
 
 def gather_blocks_native(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None:

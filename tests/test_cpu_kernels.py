@@ -15,6 +15,7 @@ from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_atten
 from sarazmq.kernels.cpu_attention_kernels import (
     cpu_attention_available,
     paged_decode_attention,
+    prefill_amx_available,
     prefill_attention,
     write_kv_cache_native,
 )
@@ -115,7 +116,12 @@ def test_decode_kernel_bf16_close_to_reference(
 
 
 def _bf16_prefill_case(
-    q_len: int, k_len: int, heads: tuple[int, int], head_dim: int, block_size: int
+    q_len: int,
+    k_len: int,
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    kernel: str = "avx512",
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(native output or None when the kernel declined, float32 reference) for one chunk."""
     bf = torch.bfloat16
@@ -126,37 +132,47 @@ def _bf16_prefill_case(
     write_kv_cache(k.to(bf), v.to(bf), kc, vc, meta.slot_mapping)
     out = torch.full(q.shape, float("nan"), dtype=bf)
     scale = head_dim**-0.5
-    ok = prefill_attention(q.to(bf), kc, vc, meta.block_tables[0], k_len, scale, out)
+    ok = prefill_attention(q.to(bf), kc, vc, meta.block_tables[0], k_len, scale, out, kernel=kernel)
     kf, vf = [t.to(bf) for t in k_full], [t.to(bf) for t in v_full]
     ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, scale)
     return (out if ok else None), ref
 
 
 _PREFILL_BF16 = _bf16_prefill_case(1, 1, (2, 1), 64, 16)[0] is not None
+_PREFILL_KERNELS = [
+    pytest.param(
+        "avx512", marks=pytest.mark.skipif(not _PREFILL_BF16, reason="CPU without AVX512-BF16")
+    ),
+    pytest.param(
+        "amx", marks=pytest.mark.skipif(not prefill_amx_available(), reason="CPU without AMX")
+    ),
+]
 
 
 # causal chunks with and without earlier context, at and off the 16-key and row-group
 # edges, over blocks of several sizes; grouped-query layouts with G of 1, 3 and 8
-@pytest.mark.skipif(not _PREFILL_BF16, reason="CPU without AVX512-BF16: no native prefill")
+@pytest.mark.parametrize("kernel", _PREFILL_KERNELS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
 @pytest.mark.parametrize(
-    "lens", [(1, 1), (5, 5), (16, 16), (37, 37), (3, 40), (16, 48), (33, 100), (64, 81)]
+    "lens",
+    [(1, 1), (5, 5), (16, 16), (37, 37), (3, 40), (16, 48), (33, 100), (64, 81), (70, 200)],
 )
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_prefill_kernel_bf16_close_to_reference(
-    head_dim: int, heads: tuple[int, int], lens: tuple[int, int], block_size: int
+    kernel: str, head_dim: int, heads: tuple[int, int], lens: tuple[int, int], block_size: int
 ) -> None:
-    out, ref = _bf16_prefill_case(*lens, heads, head_dim, block_size)
+    out, ref = _bf16_prefill_case(*lens, heads, head_dim, block_size, kernel)
     assert out is not None
     # probabilities rounded to bf16 before the V product, as SDPA's bf16 CPU kernel does
     torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)
 
 
-@pytest.mark.skipif(not _PREFILL_BF16, reason="CPU without AVX512-BF16: no native prefill")
-def test_prefill_kernel_bf16_long_context() -> None:
-    # a late 512-token chunk of a 2,048-token prompt (the benchmark's shape), 9/3 heads
-    out, ref = _bf16_prefill_case(512, 2048, (9, 3), 64, 16)
+@pytest.mark.parametrize("kernel", _PREFILL_KERNELS)
+def test_prefill_kernel_bf16_long_context(kernel: str) -> None:
+    # a late 512-token chunk of a 2,048-token prompt (the benchmark's shape), 9/3 heads;
+    # the AMX kernel's 64-key steps end mid-block and mid-chunk here too
+    out, ref = _bf16_prefill_case(512, 2048, (9, 3), 64, 16, kernel)
     assert out is not None
     torch.testing.assert_close(out.float(), ref.float(), atol=0.01, rtol=0.02)
 
@@ -171,12 +187,19 @@ def test_prefill_kernel_declines_what_it_cannot_do() -> None:
     q80 = torch.zeros(4, 4, 80, dtype=bf)
     c80 = torch.zeros(6, 4, 2, 80, dtype=bf)
     assert not prefill_attention(q80, c80, c80, table, 9, 0.1, torch.empty_like(q80))
-    # a block id outside the cache is an error, as everywhere else
+    # a block id outside the cache is an error, as everywhere else, for either kernel
     bad = table.clone()
     bad[1] = 10_000
     if _PREFILL_BF16:
-        with pytest.raises(IndexError, match="outside the KV cache"):
-            prefill_attention(q.to(bf), k_cache.to(bf), v_cache.to(bf), bad, 9, 0.1, out.to(bf))
+        for kernel in ("avx512", "amx") if prefill_amx_available() else ("avx512",):
+            with pytest.raises(IndexError, match="outside the KV cache"):
+                prefill_attention(
+                    q.to(bf), k_cache.to(bf), v_cache.to(bf), bad, 9, 0.1, out.to(bf), kernel=kernel
+                )
+    with pytest.raises(ValueError, match="prefill kernel 'tiles' is not one of"):
+        prefill_attention(
+            q.to(bf), k_cache.to(bf), v_cache.to(bf), table, 9, 0.1, out, kernel="tiles"
+        )
 
 
 def test_decode_kernel_declines_what_it_cannot_do() -> None:

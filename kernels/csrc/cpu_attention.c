@@ -565,8 +565,9 @@ int gather_blocks(const char *cache, long row_bytes, const int32_t *blocks, long
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_PREFILL_BF16 1
 
-/* Runs of 16 keys: K packed [D/2][16] and V packed [8][D], both 32-bit words. */
-static void pack_kv_run(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+/* Runs of 16 keys: K packed [D/2][16] and V packed [8][D], both 32-bit words (the layouts
+ * of AMX's B tiles too: prefill_amx.c packs with this). */
+void prefill_pack_kv_run(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
                         int k_len, int run, int h, int Hkv, int D, int block_size,
                         uint32_t *kp, uint32_t *vp) {
     const long tok_stride = (long)Hkv * D, block_elems = (long)block_size * tok_stride;
@@ -704,7 +705,7 @@ int prefill_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_c
 #pragma omp parallel for schedule(static)
     for (long it = 0; it < (long)Hkv * runs; it++) {
         const int h = (int)(it / runs), run = (int)(it % runs);
-        pack_kv_run(k_cache, v_cache, table, k_len, run, h, Hkv, D, block_size,
+        prefill_pack_kv_run(k_cache, v_cache, table, k_len, run, h, Hkv, D, block_size,
                     kp + it * run_words, vp + it * run_words);
     }
     const int R = D == 64 ? 4 : 2; /* rows per item: what the registers hold */

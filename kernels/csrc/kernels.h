@@ -66,6 +66,20 @@ int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, c
                    char *v_cache, const int64_t *slots, long num_tokens, long row_elems,
                    long elem_size, long num_slots);
 
+/* K and V of keys run * 16 .. run * 16 + 15 of KV head h in the packed layouts of the
+ * prefill kernels: K [D/2][16], V [8][D], 32-bit words; keys past k_len are zeros */
+void prefill_pack_kv_run(const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *table, int k_len, int run, int h, int Hkv, int D,
+                         int block_size, uint32_t *kp, uint32_t *vp);
+
+/* prefill_amx.c */
+int prefill_amx_supported(void);
+int prefill_attention_amx_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache,
+                               const uint16_t *v_cache, const int32_t *table, int q_len,
+                               int k_len, int H, int Hkv, int D, int block_size, float scale,
+                               uint16_t *out, long out_stride, long num_blocks,
+                               uint16_t *scratch);
+
 /* decode_step.c */
 
 /* The per-layer pointer table of decode_step_*: one slot per name, in this order. The
