@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .block_quant import block_quant_covers, block_quant_linear
+from .linear_amx import amx_linear_available, linear_tiles
 from .linear_weight import LinearWeight
 from .native import load_library
 from .ops import apply_rope_, linear, rms_norm_
@@ -49,6 +50,9 @@ class HotOps:
     `NativeCpuOps`)."""
 
     name = "torch"
+    # whether `linear` reads a weight's AMX tile layout (`LinearWeight.tiles`), so that
+    # the model packs its weights into it instead of oneDNN's layout
+    reads_tiles: bool = False
 
     def rms_norm_(
         self,
@@ -152,6 +156,7 @@ class NativeCpuOps(HotOps):
         if fns is None:
             raise ValueError("native CPU ops unavailable: kernels/csrc/cpu_ops.c did not build")
         self._fns = fns
+        self.reads_tiles = amx_linear_available()
 
     def rms_norm_(
         self,
@@ -188,7 +193,7 @@ class NativeCpuOps(HotOps):
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """x [T, in] -> [T, out] as `HotOps.linear`; 1 to `GEMV_MAX_ROWS` rows of a
         bias-free weight read its blocks where it holds them, else its plain weight
-        through the C matrix-vector kernel."""
+        through the C matrix-vector kernel; more rows its AMX tiles where it holds them."""
         fn = self._fns.get(("gemv", x.dtype))
         if (
             fn is None
@@ -199,7 +204,7 @@ class NativeCpuOps(HotOps):
             or weight.device.type != "cpu"
             or weight.in_features != x.shape[1]
         ):
-            return super().linear(x, weight)
+            return self._many_rows(x, weight)
         if weight.blocks is not None:
             # the quantized blocks hold exactly the plain weight, and their kernel sums as
             # the plain one does: the same result from a fraction of the bytes
@@ -208,17 +213,25 @@ class NativeCpuOps(HotOps):
                 return out
         plain = weight.weight
         if plain is None or not plain.is_contiguous():
-            return super().linear(x, weight)  # only the packed copy is left, or strided
+            return self._many_rows(x, weight)  # only the packed copy is left, or strided
         out = _run_gemv(fn, x, plain)
         if out is None:
-            return super().linear(x, weight)  # sizes the kernel does not cover
+            return self._many_rows(x, weight)  # sizes the kernel does not cover
         return out
+
+    def _many_rows(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        # the tile kernel where the weight holds its layout, else oneDNN / F.linear
+        if weight.tiles is not None:
+            out = linear_tiles(x, weight.tiles, weight.out_features)
+            if out is not None:
+                return out
+        return super().linear(x, weight)
 
     def needs_plain(self, weight: LinearWeight) -> bool:
         """Also where rows within `GEMV_MAX_ROWS` would read it: a weight without a bias
         whose blocks do not cover every such row count (the C kernel reads the plain
         weight there, and the packed copy would sum in another order)."""
-        if super().needs_plain(weight):
+        if weight.packed is None and weight.tiles is None:
             return True
         if weight.bias is not None or ("gemv", weight.dtype) not in self._fns:
             return False  # every call goes to the packed copy

@@ -1,17 +1,20 @@
 """One matmul's weight and every form it is kept in (`LinearWeight`).
 
-A matmul weight [out_features, in_features] of the model can be held three ways:
+A matmul weight [out_features, in_features] of the model can be held four ways:
 
 - plain: the tensor itself (a parameter: loaders fill it, state dicts carry it); what
   `F.linear`, the C matrix-vector kernel (`NativeCpuOps.linear`, 1-3 rows) and the fused
   decode step read where nothing else stands in for it;
 - packed: oneDNN's blocked copy (`prepack`, CPU bf16 / float32), which matmuls of more
   rows read instead of the plain one (`sarazmq.kernels.ops.can_prepack_linear`);
+- tiles: the AMX tile kernel's layout of it (`prepack(tiles=True)`, bf16 on CPUs with
+  AMX, `sarazmq.kernels.linear_amx`), held instead of oneDNN's packed copy by ops that
+  read it (`NativeCpuOps`): it streams the weights where oneDNN stalls on them;
 - blocks: the GGUF checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks of the same values
   (`attach_blocks`, `sarazmq.kernels.block_quant`), which decode rows read: bitwise the
   plain kernel's result from a fraction of the bytes.
 
-The owner keeps the three together with the weight's optional bias, reports the bytes
+The owner keeps them together with the weight's optional bias, reports the bytes
 each holds (`variant_bytes`), and can free the plain copy (`drop_plain`) once every path
 that would read it reads another variant (which paths read what is the ops' call,
 `HotOps.needs_plain`). Its shape, dtype and device stay known after the plain copy is
@@ -24,9 +27,10 @@ import torch
 from torch import nn
 
 from .block_quant import BlockQuantWeight
+from .linear_amx import pack_tiles, tiles_cover
 from .ops import can_prepack_linear, prepack_linear
 
-VARIANTS = ("plain", "packed", "blocks")
+VARIANTS = ("plain", "packed", "tiles", "blocks")
 
 
 class LinearWeight(nn.Module):
@@ -64,6 +68,7 @@ class LinearWeight(nn.Module):
         self.bias = None if bias is None else _as_parameter(bias)
         # plain attributes, not parameters or buffers: state dicts and loaders ignore them
         self.packed: torch.Tensor | None = None  # opaque oneDNN tensor (`prepack`)
+        self.tiles: torch.Tensor | None = None  # the AMX kernel's layout (`prepack`)
         self.blocks: BlockQuantWeight | None = None  # the checkpoint's blocks (`attach_blocks`)
 
     @classmethod
@@ -117,7 +122,7 @@ class LinearWeight(nn.Module):
             return
         if self.keep_plain:
             raise ValueError("this weight's plain tensor is needed elsewhere (keep_plain)")
-        if self.packed is None:
+        if self.packed is None and self.tiles is None:
             raise ValueError("no packed copy: matmuls would have no weight to read")
         self.weight = None
 
@@ -128,20 +133,32 @@ class LinearWeight(nn.Module):
         if self.weight is None:
             raise ValueError("the plain weight was dropped: nothing would be left to read")
         self.packed = None
+        self.tiles = None
         self.blocks = None
 
     # ------------------------------------------------------------------ other variants
 
-    def prepack(self) -> bool:
-        """Adds oneDNN's packed copy of the plain weight where that applies (CPU bf16 /
-        float32, see `can_prepack_linear`); returns whether it did. A later load of the
-        plain weight must call `variants_changed` (the pack would be stale). ValueError
-        once the plain weight was dropped (the packed copy is then kept)."""
+    def prepack(self, tiles: bool = False) -> bool:
+        """Adds a packed copy of the plain weight for matmuls of many rows: with tiles,
+        the AMX kernel's layout where it covers this weight (bf16, no bias, sizes
+        multiples of 32, see `sarazmq.kernels.linear_amx.tiles_cover`), else oneDNN's
+        where that applies (CPU bf16 / float32, see `can_prepack_linear`); one or the
+        other, never both. Returns whether it packed. A later load of the plain weight
+        must call `variants_changed` (the pack would be stale). ValueError once the plain
+        weight was dropped (the packed copy is then kept)."""
         plain = self.plain  # ValueError once dropped, before anything changes
         self.packed = None
-        if not can_prepack_linear(self.dtype, self.device):
-            return False
+        self.tiles = None
         with torch.no_grad():
+            if (
+                tiles
+                and self.bias is None
+                and tiles_cover(self.dtype, self.device, self.out_features, self.in_features)
+            ):
+                self.tiles = pack_tiles(plain)
+                return True
+            if not can_prepack_linear(self.dtype, self.device):
+                return False
             self.packed = prepack_linear(plain)
         return True
 
@@ -171,11 +188,12 @@ class LinearWeight(nn.Module):
     # ------------------------------------------------------------------ accounting
 
     def variant_bytes(self) -> dict[str, int]:
-        """Bytes held per variant ("plain", "packed", "blocks"; 0 where not held). The
-        packed copy is counted as its elements (oneDNN may pad it a little)."""
+        """Bytes held per variant ("plain", "packed", "tiles", "blocks"; 0 where not held).
+        The packed copy is counted as its elements (oneDNN may pad it a little)."""
         return {
             "plain": 0 if self.weight is None else _tensor_bytes(self.weight),
             "packed": 0 if self.packed is None else _tensor_bytes(self.packed),
+            "tiles": 0 if self.tiles is None else _tensor_bytes(self.tiles),
             "blocks": 0 if self.blocks is None else self.blocks.nbytes,
         }
 

@@ -80,6 +80,12 @@ int prefill_attention_amx_bf16(const uint16_t *q, long q_stride, const uint16_t 
                                uint16_t *out, long out_stride, long num_blocks,
                                uint16_t *scratch);
 
+/* linear_amx.c */
+int linear_amx_supported(void);
+int linear_amx_pack(const uint16_t *w, int N, int K, uint16_t *out);
+int linear_amx_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked, uint16_t *y,
+                    long y_stride, int M, int N, int K);
+
 /* decode_step.c */
 
 /* The per-layer pointer table of decode_step_*: one slot per name, in this order. The

@@ -352,14 +352,17 @@ class LlamaForCausalLM(nn.Module):
         return total
 
     def prepack_linear_weights(self) -> bool:
-        """Prepacks every matmul weight for oneDNN when that pays (bf16 and float32 on
-        CPU, see `sarazmq.kernels.ops.can_prepack_linear`); faster matmuls, bit-identical
-        in bf16, float32 sums in another order.
+        """Prepacks every matmul weight when that pays: into the AMX tile kernel's layout
+        where the backend's ops read it (`HotOps.reads_tiles`: bf16 on CPUs with AMX),
+        else for oneDNN (bf16 and float32 on CPU, see
+        `sarazmq.kernels.ops.can_prepack_linear`); faster matmuls, float32 sums per output
+        in another order than the plain path's.
 
         Call after loading the weights (loading drops the packs, which would be stale).
         Returns whether weights were packed.
         """
-        return all([w.prepack() for _, w in self.matmul_weights()])
+        tiles = self.attention.ops.reads_tiles
+        return all([w.prepack(tiles=tiles) for _, w in self.matmul_weights()])
 
     def drop_unused_plain_weights(self) -> int:
         """Frees the plain copy of every matmul weight that no path of this model reads

@@ -1,0 +1,136 @@
+"""The AMX tile matmul (sarazmq.kernels.linear_amx): against a float64 reference and
+oneDNN over row counts at and off the kernel's 16/32-row blocks, the shapes it refuses,
+the `tiles` weight variant (packed instead of oneDNN's copy, plain weight dropped with the
+same results), and a bf16 model whose matmuls run on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sarazmq.config import ModelConfig
+from sarazmq.kernels import CpuPagedAttention
+from sarazmq.kernels.cpu_ops import TORCH_OPS, NativeCpuOps
+from sarazmq.kernels.linear_amx import (
+    amx_linear_available,
+    linear_tiles,
+    pack_tiles,
+    tiles_cover,
+)
+from sarazmq.kernels.linear_weight import LinearWeight
+from sarazmq.kernels.metadata import AttentionMetadata
+from sarazmq.model.kv_cache import allocate_kv_cache
+from sarazmq.model.llama import LlamaForCausalLM
+
+needs_amx = pytest.mark.skipif(not amx_linear_available(), reason="CPU without AMX tiles")
+BF = torch.bfloat16
+CPU = torch.device("cpu")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact sums of the bf16 products, rounded once to bf16."""
+    return (x.double() @ w.double().t()).to(BF)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 4, 15, 16, 17, 31, 32, 33, 64, 100, 257])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 576), (960, 576), (576, 1536)])
+def test_tiles_close_to_reference_and_onednn(rows: int, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(rows * 7 + shape[0])
+    n, k = shape
+    w = torch.randn(n, k, generator=g).to(BF)
+    x = torch.randn(rows, k, generator=g).to(BF)
+    y = linear_tiles(x, pack_tiles(w), n)
+    assert y is not None and y.shape == (rows, n) and y.dtype == BF
+    # float32 sums in some order, one rounding: within a bf16 step of the exact result
+    ref = _reference(x, w).float()
+    torch.testing.assert_close(y.float(), ref, atol=1e-2 * k**0.5, rtol=1e-2)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=1e-2 * k**0.5, rtol=1e-2)
+
+
+@needs_amx
+def test_strided_rows_and_exact_small_integers() -> None:
+    # small integers: every product and sum exact in float32, so the result is exact
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-3, 4, (64, 96), generator=g).to(BF)
+    wide = torch.randint(-3, 4, (40, 160), generator=g).to(BF)
+    x = wide[:, 10:106]  # row stride 160, as a slice of a fused projection's output
+    y = linear_tiles(x, pack_tiles(w), 64)
+    assert y is not None
+    assert torch.equal(y, (x.float() @ w.float().t()).to(BF))
+
+
+def test_what_the_kernel_does_not_take() -> None:
+    assert not tiles_cover(torch.float32, CPU, 64, 64)
+    assert not tiles_cover(BF, CPU, 48, 64)  # out not a multiple of 32
+    assert not tiles_cover(BF, CPU, 64, 40)  # in not a multiple of 32
+    assert not tiles_cover(BF, CPU, 16, 64)
+    with pytest.raises(ValueError, match="no tile layout"):
+        pack_tiles(torch.zeros(48, 64, dtype=BF))
+    if amx_linear_available():
+        tiles = pack_tiles(torch.zeros(64, 64, dtype=BF))
+        assert linear_tiles(torch.zeros(3, 64), tiles, 64) is None  # float32 rows
+        assert linear_tiles(torch.zeros(3, 32, dtype=BF), tiles, 64) is None  # wrong in
+        assert linear_tiles(torch.zeros(0, 64, dtype=BF), tiles, 64) is None  # no rows
+        assert linear_tiles(torch.zeros(64, 3, dtype=BF).t(), tiles, 64) is None  # strided
+
+
+@needs_amx
+def test_weight_holds_tiles_instead_of_onednn_and_drops_plain() -> None:
+    native = NativeCpuOps()
+    assert native.reads_tiles and not TORCH_OPS.reads_tiles
+    g = torch.Generator().manual_seed(1)
+    w = LinearWeight(torch.randn(96, 128, generator=g).to(BF))
+    assert w.prepack(tiles=True)
+    assert w.tiles is not None and w.packed is None
+    assert w.variant_bytes()["tiles"] == 96 * 128 * 2
+    assert native.needs_plain(w)  # 1-3 rows still read it (the C kernel, no blocks)
+    assert TORCH_OPS.needs_plain(w)  # the torch ops cannot read tiles
+    xs = [torch.randn(m, 128, generator=g).to(BF) for m in (4, 9, 64)]
+    before = [native.linear(x, w) for x in xs]
+    for x, y in zip(xs, before, strict=True):
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w.plain), atol=0.1, rtol=1e-2)
+    w.drop_plain()  # rows past the C kernel's need only the tiles
+    for x, y in zip(xs, before, strict=True):
+        assert torch.equal(native.linear(x, w), y)
+    # a bias, or a shape the kernel does not take: oneDNN's packed copy as before
+    biased = LinearWeight(torch.randn(96, 128).to(BF), torch.randn(96).to(BF))
+    assert biased.prepack(tiles=True) and biased.tiles is None and biased.packed is not None
+    odd = LinearWeight(torch.randn(48, 128).to(BF))
+    assert odd.prepack(tiles=True) and odd.tiles is None and odd.packed is not None
+    # a reload drops the tiles with the other derived copies
+    fresh = LinearWeight(torch.randn(96, 128).to(BF))
+    fresh.prepack(tiles=True)
+    fresh.variants_changed()
+    assert fresh.tiles is None
+
+
+@needs_amx
+def test_bf16_model_on_tiles_close_to_unpacked() -> None:
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position=64,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg, CpuPagedAttention(), dtype=BF)
+    model.random_init_(seed=5, std=0.1)
+
+    def run() -> torch.Tensor:
+        caches = allocate_kv_cache(cfg, 8, 4, BF, "cpu")
+        meta = AttentionMetadata.build([20], [20], [[3, 1, 7, 0, 5]], 4)
+        return model.compute_logits(model(torch.arange(20), torch.arange(20), caches, meta))
+
+    plain = run()
+    assert model.prepack_linear_weights()
+    held = [w.variant_bytes() for _, w in model.matmul_weights()]
+    assert all(v["tiles"] > 0 and v["packed"] == 0 for v in held)
+    torch.testing.assert_close(run(), plain, atol=0.05, rtol=0.05)
