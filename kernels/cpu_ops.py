@@ -41,6 +41,9 @@ _ROPE_MAX_D = 512
 # rows up to which the C matrix-vector kernel beats oneDNN's prepacked matmul on the
 # default model's matmuls (the kernel takes up to 8): docs/KERNELS.md, "GEMV_MAX_ROWS"
 GEMV_MAX_ROWS = {torch.bfloat16: 3, torch.float32: 3}
+# ... for a weight that holds AMX tiles (`LinearWeight.tiles`): the tile kernel, which
+# streams the weights too, wins from 2 rows (docs/PERF_RESULT.md, "Seventh round")
+GEMV_MAX_ROWS_TILES = 1
 _GEMV_KERNEL_ROWS = 8  # GEMV_MAX_ROWS of kernels.h: the most rows one call takes
 _GEMV_ARGTYPES = [_P, _L, _P, _P, _L, _I, _I, _I]
 
@@ -107,6 +110,11 @@ def _native_functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | Non
             fn.restype = None
             fns[(op, dtype)] = fn
     return fns
+
+
+def _gemv_max_rows(weight: LinearWeight) -> int:
+    # rows of this weight's matmuls that the C matrix-vector kernel takes
+    return GEMV_MAX_ROWS_TILES if weight.tiles is not None else GEMV_MAX_ROWS[weight.dtype]
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -199,7 +207,7 @@ class NativeCpuOps(HotOps):
             fn is None
             or weight.bias is not None
             or not _rows_ok(x)
-            or not 1 <= x.shape[0] <= GEMV_MAX_ROWS[x.dtype]
+            or not 1 <= x.shape[0] <= _gemv_max_rows(weight)
             or weight.dtype != x.dtype
             or weight.device.type != "cpu"
             or weight.in_features != x.shape[1]
@@ -238,7 +246,7 @@ class NativeCpuOps(HotOps):
         blocks = weight.blocks
         return blocks is None or not all(
             block_quant_covers(weight.dtype, rows, blocks)
-            for rows in range(1, GEMV_MAX_ROWS[weight.dtype] + 1)
+            for rows in range(1, _gemv_max_rows(weight) + 1)
         )
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from sarazmq.config import ModelConfig
 from sarazmq.kernels import CpuPagedAttention
 from sarazmq.kernels.cpu_ops import TORCH_OPS, NativeCpuOps
+from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, FUSED_MAX_ROWS_TILES
 from sarazmq.kernels.linear_amx import (
     amx_linear_available,
     linear_tiles,
@@ -105,8 +106,7 @@ def test_weight_holds_tiles_instead_of_onednn_and_drops_plain() -> None:
     assert fresh.tiles is None
 
 
-@needs_amx
-def test_bf16_model_on_tiles_close_to_unpacked() -> None:
+def _tile_model() -> tuple[ModelConfig, LlamaForCausalLM]:
     cfg = ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=128,
@@ -123,6 +123,12 @@ def test_bf16_model_on_tiles_close_to_unpacked() -> None:
     )
     model = LlamaForCausalLM(cfg, CpuPagedAttention(), dtype=BF)
     model.random_init_(seed=5, std=0.1)
+    return cfg, model
+
+
+@needs_amx
+def test_bf16_model_on_tiles_close_to_unpacked() -> None:
+    cfg, model = _tile_model()
 
     def run() -> torch.Tensor:
         caches = allocate_kv_cache(cfg, 8, 4, BF, "cpu")
@@ -134,3 +140,17 @@ def test_bf16_model_on_tiles_close_to_unpacked() -> None:
     held = [w.variant_bytes() for _, w in model.matmul_weights()]
     assert all(v["tiles"] > 0 and v["packed"] == 0 for v in held)
     torch.testing.assert_close(run(), plain, atol=0.05, rtol=0.05)
+
+
+@needs_amx
+def test_fused_decode_step_takes_fewer_rows_where_the_matmuls_hold_tiles() -> None:
+    # the per-op path on tiles beats the fused step from 3 rows: it takes 2 then
+    cfg, model = _tile_model()
+    caches = allocate_kv_cache(cfg, 8, 4, BF, "cpu")
+    step = model.fused_decode_step(caches)
+    if step is None:
+        pytest.skip("no fused step on this CPU's build")
+    assert step.max_rows == FUSED_MAX_ROWS[BF]  # nothing packed yet
+    model.prepack_linear_weights()
+    step = model.fused_decode_step(caches)
+    assert step is not None and step.max_rows == FUSED_MAX_ROWS_TILES[BF] == 2

@@ -288,6 +288,7 @@ class LlamaForCausalLM(nn.Module):
                     head_dim=cfg.head_dim,
                     eps=cfg.rms_norm_eps,
                     scale=self.scale,
+                    per_op_tiles=any(w.tiles is not None for _, w in self.matmul_weights()),
                 )
         return self._fused_step
 
@@ -362,6 +363,7 @@ class LlamaForCausalLM(nn.Module):
         Returns whether weights were packed.
         """
         tiles = self.attention.ops.reads_tiles
+        self._fused_key = self._fused_step = None  # rebuilt for what the per-op path reads
         return all([w.prepack(tiles=tiles) for _, w in self.matmul_weights()])
 
     def drop_unused_plain_weights(self) -> int:
