@@ -54,15 +54,12 @@ class AttentionBackend(Protocol):
         head_dim: int,
         eps: float,
         scale: float,
-        per_op_tiles: bool = False,
     ) -> FusedDecodeStep | None:
         """A Llama model's whole decode step over these weights and caches in one call
         (`sarazmq.kernels.decode_step`), running the kernels `forward` and `ops` run op by
         op; None where the backend has none or cannot build it for these tensors.
 
         layers: per layer, its weights (a matmul as its plain tensor or its quantized
-        blocks); final_norm: [hidden]; kv_caches: per layer (k_cache, v_cache);
-        per_op_tiles: the model's matmuls hold AMX tiles, which its per-op path reads (the
-        fused step then takes fewer rows, see `FusedDecodeStep`).
+        blocks); final_norm: [hidden]; kv_caches: per layer (k_cache, v_cache).
         """
         ...

@@ -75,7 +75,6 @@ class CpuPagedAttention(TorchPagedAttention):
         head_dim: int,
         eps: float,
         scale: float,
-        per_op_tiles: bool = False,
     ) -> FusedDecodeStep | None:
         """A Llama model's whole decode step in one native call (see
         `sarazmq.kernels.decode_step`), running the kernels this backend and its `ops` run
@@ -93,7 +92,6 @@ class CpuPagedAttention(TorchPagedAttention):
                 head_dim=head_dim,
                 eps=eps,
                 scale=scale,
-                per_op_tiles=per_op_tiles,
             )
         except ValueError:
             return None

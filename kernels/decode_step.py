@@ -79,10 +79,6 @@ FUSED_MAX_ROWS_BLOCKS = {
     torch.bfloat16: 8 if cpu_has_flag("amx_bf16") else 16,
     torch.float32: 32,
 }
-# Where the per-op path's bf16 matmuls run on the AMX tile kernel (`per_op_tiles`, see
-# sarazmq.kernels.linear_amx), which streams the weights: from 3 rows it beats the fused
-# step, blocks or not (docs/PERF_RESULT.md, "Seventh round").
-FUSED_MAX_ROWS_TILES = {torch.bfloat16: 2}
 
 
 Matmul = torch.Tensor | BlockQuantWeight
@@ -189,10 +185,7 @@ class FusedDecodeStep:
         head_dim: int,
         eps: float,
         scale: float,
-        per_op_tiles: bool = False,
     ) -> None:
-        """per_op_tiles: the per-op path's matmuls run on the AMX tile kernel (so the fused
-        step takes fewer rows, `FUSED_MAX_ROWS_TILES`)."""
         lib = load_library()
         if lib is None:
             raise ValueError("fused decode step unavailable: the native CPU kernels did not build")
@@ -214,7 +207,6 @@ class FusedDecodeStep:
                     f"tensor of {dtype}"
                 )
         self.dtype = dtype
-        self.per_op_tiles = per_op_tiles
         self.hidden = hidden = final_norm.shape[0]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.inter = inter = layers[0].down.shape[1]
@@ -283,8 +275,6 @@ class FusedDecodeStep:
     @property
     def max_rows(self) -> int:
         """The most sequences one step takes."""
-        if self.per_op_tiles and self.dtype in FUSED_MAX_ROWS_TILES:
-            return FUSED_MAX_ROWS_TILES[self.dtype]
         table = FUSED_MAX_ROWS_BLOCKS if self._all_blocks else FUSED_MAX_ROWS
         return table[self.dtype]
 

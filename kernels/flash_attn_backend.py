@@ -117,7 +117,6 @@ class FlashAttnPagedAttention:
         head_dim: int,
         eps: float,
         scale: float,
-        per_op_tiles: bool = False,
     ) -> FusedDecodeStep | None:
         """None: decode steps run op by op here (see `AttentionBackend.fused_decode_step`)."""
         return None

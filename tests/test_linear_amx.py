@@ -11,7 +11,6 @@ import torch
 from sarazmq.config import ModelConfig
 from sarazmq.kernels import CpuPagedAttention
 from sarazmq.kernels.cpu_ops import TORCH_OPS, NativeCpuOps
-from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, FUSED_MAX_ROWS_TILES
 from sarazmq.kernels.linear_amx import (
     amx_linear_available,
     linear_tiles,
@@ -87,8 +86,10 @@ def test_weight_holds_tiles_instead_of_onednn_and_drops_plain() -> None:
     assert w.variant_bytes()["tiles"] == 96 * 128 * 2
     assert native.needs_plain(w)  # 1-3 rows still read it (the C kernel, no blocks)
     assert TORCH_OPS.needs_plain(w)  # the torch ops cannot read tiles
-    xs = [torch.randn(m, 128, generator=g).to(BF) for m in (4, 9, 64)]
+    xs = [torch.randn(m, 128, generator=g).to(BF) for m in (2, 4, 9, 64)]
     before = [native.linear(x, w) for x in xs]
+    # from 2 rows the tile kernel, not the matrix-vector one (GEMV_MAX_ROWS_TILES)
+    assert all(torch.equal(y, linear_tiles(x, w.tiles, 96)) for x, y in zip(xs, before))
     for x, y in zip(xs, before, strict=True):
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w.plain), atol=0.1, rtol=1e-2)
     w.drop_plain()  # rows past the C kernel's need only the tiles
@@ -140,17 +141,3 @@ def test_bf16_model_on_tiles_close_to_unpacked() -> None:
     held = [w.variant_bytes() for _, w in model.matmul_weights()]
     assert all(v["tiles"] > 0 and v["packed"] == 0 for v in held)
     torch.testing.assert_close(run(), plain, atol=0.05, rtol=0.05)
-
-
-@needs_amx
-def test_fused_decode_step_takes_fewer_rows_where_the_matmuls_hold_tiles() -> None:
-    # the per-op path on tiles beats the fused step from 3 rows: it takes 2 then
-    cfg, model = _tile_model()
-    caches = allocate_kv_cache(cfg, 8, 4, BF, "cpu")
-    step = model.fused_decode_step(caches)
-    if step is None:
-        pytest.skip("no fused step on this CPU's build")
-    assert step.max_rows == FUSED_MAX_ROWS[BF]  # nothing packed yet
-    model.prepack_linear_weights()
-    step = model.fused_decode_step(caches)
-    assert step is not None and step.max_rows == FUSED_MAX_ROWS_TILES[BF] == 2

@@ -122,34 +122,70 @@ static inline __attribute__((always_inline)) __m512bh q8_block_bf16(const int8_t
     return bf16_pair(lo, hi);
 }
 
+/* At M = 1 two output rows are summed side by side (four dependency chains, not two:
+ * VDPBF16PS's latency, not its throughput, bounded the one-row loop); each row's sums run
+ * in the same order as alone, so the results do not change. */
 #define DEFINE_QGEMV_TILE_BF16(NAME, BLOCK)                                                    \
     static inline __attribute__((always_inline)) void NAME(                                    \
         const int M, const uint16_t *x, long x_stride, const void *qs, const float *sc,        \
         uint16_t *y, long y_stride, int n0, int nn, int K) {                                   \
         const int KB = K / 32;                                                                 \
         __m512 acc[GEMV_MAX_ROWS][16];                                                         \
-        for (int i = 0; i < 16; i++) {                                                         \
-            __m512 a[GEMV_MAX_ROWS], b = _mm512_setzero_ps();                                  \
-            for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();                            \
-            if (i < nn) {                                                                      \
-                const long r = n0 + i;                                                         \
-                int kb = 0;                                                                    \
-                if (M == 1)                                                                    \
+        if (M == 1) {                                                                          \
+            for (int i = 0; i < 16; i += 2) {                                                  \
+                __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;                    \
+                if (i < nn) {                                                                  \
+                    const long r = n0 + i;                                                     \
+                    const int two = i + 1 < nn;                                                \
+                    int kb = 0;                                                                \
                     for (; kb + 1 < KB; kb += 2) {                                             \
-                        a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_loadu_si512(x + 32 * kb),\
-                                                BLOCK(r, kb));                                 \
-                        b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(x + 32 * kb + 32),\
-                                             BLOCK(r, kb + 1));                                \
+                        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + 32 * kb);        \
+                        const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + 32 * kb + 32);   \
+                        a0 = _mm512_dpbf16_ps(a0, x0, BLOCK(r, kb));                           \
+                        b0 = _mm512_dpbf16_ps(b0, x1, BLOCK(r, kb + 1));                       \
+                        if (two) {                                                             \
+                            a1 = _mm512_dpbf16_ps(a1, x0, BLOCK(r + 1, kb));                   \
+                            b1 = _mm512_dpbf16_ps(b1, x1, BLOCK(r + 1, kb + 1));               \
+                        }                                                                      \
                     }                                                                          \
-                for (; kb < KB; kb++) {                                                        \
-                    const __m512bh w = BLOCK(r, kb);                                           \
-                    for (int m = 0; m < M; m++)                                                \
-                        a[m] = _mm512_dpbf16_ps(                                               \
-                            a[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + 32 * kb), w);\
+                    for (; kb < KB; kb++) {                                                    \
+                        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + 32 * kb);        \
+                        a0 = _mm512_dpbf16_ps(a0, x0, BLOCK(r, kb));                           \
+                        if (two) a1 = _mm512_dpbf16_ps(a1, x0, BLOCK(r + 1, kb));              \
+                    }                                                                          \
+                }                                                                              \
+                acc[0][i] = _mm512_add_ps(a0, b0);                                             \
+                acc[0][i + 1] = _mm512_add_ps(a1, b1);                                         \
+            }                                                                                  \
+        } else { /* up to 4 rows: two output rows side by side too (2 M chains) */          \
+            const int step = 2;                                                                \
+            for (int i = 0; i < 16; i += step) {                                               \
+                __m512 a[2][GEMV_MAX_ROWS];                                                    \
+                for (int m = 0; m < M; m++) a[0][m] = a[1][m] = _mm512_setzero_ps();           \
+                if (i < nn) {                                                                  \
+                    const long r = n0 + i;                                                     \
+                    const int two = step == 2 && i + 1 < nn;                                   \
+                    for (int kb = 0; kb < KB; kb++) {                                          \
+                        const __m512bh w0 = BLOCK(r, kb);                                      \
+                        for (int m = 0; m < M; m++)                                            \
+                            a[0][m] = _mm512_dpbf16_ps(                                        \
+                                a[0][m],                                                       \
+                                (__m512bh)_mm512_loadu_si512(x + m * x_stride + 32 * kb), w0); \
+                        if (two) {                                                             \
+                            const __m512bh w1 = BLOCK(r + 1, kb);                              \
+                            for (int m = 0; m < M; m++)                                        \
+                                a[1][m] = _mm512_dpbf16_ps(                                    \
+                                    a[1][m],                                                   \
+                                    (__m512bh)_mm512_loadu_si512(x + m * x_stride + 32 * kb),  \
+                                    w1);                                                       \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+                for (int j = 0; j < step; j++) { /* + 0 as the plain kernel */                 \
+                    acc[0][i + j] = _mm512_add_ps(a[j][0], _mm512_setzero_ps());               \
+                    for (int m = 1; m < M; m++) acc[m][i + j] = a[j][m];                       \
                 }                                                                              \
             }                                                                                  \
-            acc[0][i] = _mm512_add_ps(a[0], b);                                                \
-            for (int m = 1; m < M; m++) acc[m][i] = a[m];                                      \
         }                                                                                      \
         for (int m = 0; m < M; m++)                                                            \
             _mm256_mask_storeu_epi16(y + (long)m * y_stride + n0, (__mmask16)((1u << nn) - 1u),\

@@ -192,31 +192,60 @@ static inline __attribute__((always_inline)) void bf16_store16(uint16_t *y, __m5
 /* NAME: y for all M rows of x, in tiles of 16 output rows; each VE-element piece of a
  * weight row is loaded once for every input row. M is a compile-time constant per case
  * (always_inline), so the M accumulators stay in registers; at M = 1 a second chain
- * halves the dependency latency. */
+ * halves the dependency latency, and two output rows are summed side by side (four
+ * chains: VDPBF16PS's latency bounded the one-row loop), each in the same order as alone. */
 #define DEFINE_GEMV(NAME, T, VE, DOT, STORE16)                                                 \
     static inline __attribute__((always_inline)) void NAME##_tile(                             \
         const int M, const T *x, long x_stride, const T *w, T *y, long y_stride, int n0,       \
         int nn, int K) {                                                                       \
         const int KV = K / VE;                                                                 \
         __m512 acc[GEMV_MAX_ROWS][16];                                                         \
-        for (int i = 0; i < 16; i++) {                                                         \
-            __m512 a[GEMV_MAX_ROWS], b = _mm512_setzero_ps();                                  \
-            a[0] = _mm512_setzero_ps();                                                        \
-            for (int m = 1; m < M; m++) a[m] = _mm512_setzero_ps();                            \
-            if (i < nn) {                                                                      \
-                const T *wr = w + (long)(n0 + i) * K;                                          \
-                int kv = 0;                                                                    \
-                if (M == 1)                                                                    \
+        if (M == 1) {                                                                          \
+            for (int i = 0; i < 16; i += 2) {                                                  \
+                __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;                    \
+                if (i < nn) {                                                                  \
+                    const T *w0 = w + (long)(n0 + i) * K;                                      \
+                    const int two = i + 1 < nn;                                                \
+                    const T *w1 = two ? w0 + K : w0;                                           \
+                    int kv = 0;                                                                \
                     for (; kv + 1 < KV; kv += 2) {                                             \
-                        a[0] = DOT(a[0], x + VE * kv, wr + VE * kv);                           \
-                        b = DOT(b, x + VE * kv + VE, wr + VE * kv + VE);                       \
+                        a0 = DOT(a0, x + VE * kv, w0 + VE * kv);                               \
+                        b0 = DOT(b0, x + VE * kv + VE, w0 + VE * kv + VE);                     \
+                        if (two) {                                                             \
+                            a1 = DOT(a1, x + VE * kv, w1 + VE * kv);                           \
+                            b1 = DOT(b1, x + VE * kv + VE, w1 + VE * kv + VE);                 \
+                        }                                                                      \
                     }                                                                          \
-                for (; kv < KV; kv++)                                                          \
-                    for (int m = 0; m < M; m++)                                                \
-                        a[m] = DOT(a[m], x + m * x_stride + VE * kv, wr + VE * kv);            \
+                    for (; kv < KV; kv++) {                                                    \
+                        a0 = DOT(a0, x + VE * kv, w0 + VE * kv);                               \
+                        if (two) a1 = DOT(a1, x + VE * kv, w1 + VE * kv);                      \
+                    }                                                                          \
+                }                                                                              \
+                acc[0][i] = _mm512_add_ps(a0, b0);                                             \
+                acc[0][i + 1] = _mm512_add_ps(a1, b1);                                         \
             }                                                                                  \
-            acc[0][i] = _mm512_add_ps(a[0], b);                                                \
-            for (int m = 1; m < M; m++) acc[m][i] = a[m];                                      \
+        } else { /* up to 4 rows: two output rows side by side too (2 M chains) */          \
+            const int step = 2;                                                                \
+            for (int i = 0; i < 16; i += step) {                                               \
+                __m512 a[2][GEMV_MAX_ROWS];                                                    \
+                for (int m = 0; m < M; m++) a[0][m] = a[1][m] = _mm512_setzero_ps();           \
+                if (i < nn) {                                                                  \
+                    const T *w0 = w + (long)(n0 + i) * K;                                      \
+                    const int two = step == 2 && i + 1 < nn;                                   \
+                    for (int kv = 0; kv < KV; kv++) {                                          \
+                        for (int m = 0; m < M; m++)                                            \
+                            a[0][m] = DOT(a[0][m], x + m * x_stride + VE * kv, w0 + VE * kv);  \
+                        if (two)                                                               \
+                            for (int m = 0; m < M; m++)                                        \
+                                a[1][m] = DOT(a[1][m], x + m * x_stride + VE * kv,             \
+                                              w0 + K + VE * kv);                               \
+                    }                                                                          \
+                }                                                                              \
+                for (int j = 0; j < step; j++) {                                               \
+                    acc[0][i + j] = _mm512_add_ps(a[j][0], _mm512_setzero_ps());               \
+                    for (int m = 1; m < M; m++) acc[m][i + j] = a[j][m];                       \
+                }                                                                              \
+            }                                                                                  \
         }                                                                                      \
         for (int m = 0; m < M; m++) STORE16(y + (long)m * y_stride + n0, hsum16(acc[m]), nn);  \
     }                                                                                          \

@@ -288,7 +288,6 @@ class LlamaForCausalLM(nn.Module):
                     head_dim=cfg.head_dim,
                     eps=cfg.rms_norm_eps,
                     scale=self.scale,
-                    per_op_tiles=any(w.tiles is not None for _, w in self.matmul_weights()),
                 )
         return self._fused_step
 
