@@ -64,29 +64,34 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *qs, con
         float *y, long y_stride, int n0, int nn, int K) {                                      \
         const int KB = K / 32;                                                                 \
         __m512 acc[GEMV_MAX_ROWS][16];                                                         \
-        for (int i = 0; i < 16; i++) {                                                         \
-            __m512 a[GEMV_MAX_ROWS], b = _mm512_setzero_ps();                                  \
-            for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();                            \
+        for (int i = 0; i < 16; i += 2) { /* two output rows side by side, each in order */    \
+            __m512 a[2][GEMV_MAX_ROWS], b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};    \
+            for (int m = 0; m < M; m++) a[0][m] = a[1][m] = _mm512_setzero_ps();               \
             if (i < nn) {                                                                      \
-                const long r = n0 + i;                                                         \
+                const int rows = i + 1 < nn ? 2 : 1;                                           \
                 for (int kb = 0; kb < KB; kb++) {                                              \
-                    __m512 lo, hi;                                                             \
-                    BLOCK(r, kb, &lo, &hi);                                                    \
-                    if (M == 1) {                                                              \
-                        a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * kb), lo, a[0]);        \
-                        b = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * kb + 16), hi, b);         \
-                    } else {                                                                   \
-                        for (int m = 0; m < M; m++)                                            \
-                            a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * x_stride + 32 * kb),\
-                                                   lo, a[m]);                                  \
-                        for (int m = 0; m < M; m++)                                            \
-                            a[m] = _mm512_fmadd_ps(                                            \
-                                _mm512_loadu_ps(x + m * x_stride + 32 * kb + 16), hi, a[m]);   \
+                    for (int j = 0; j < rows; j++) {                                           \
+                        __m512 lo, hi;                                                         \
+                        BLOCK(n0 + i + j, kb, &lo, &hi);                                       \
+                        if (M == 1) {                                                          \
+                            a[j][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * kb), lo, a[j][0]); \
+                            b[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 32 * kb + 16), hi, b[j]); \
+                        } else {                                                               \
+                            for (int m = 0; m < M; m++)                                        \
+                                a[j][m] = _mm512_fmadd_ps(                                     \
+                                    _mm512_loadu_ps(x + m * x_stride + 32 * kb), lo, a[j][m]); \
+                            for (int m = 0; m < M; m++)                                        \
+                                a[j][m] = _mm512_fmadd_ps(                                     \
+                                    _mm512_loadu_ps(x + m * x_stride + 32 * kb + 16), hi,      \
+                                    a[j][m]);                                                  \
+                        }                                                                      \
                     }                                                                          \
                 }                                                                              \
             }                                                                                  \
-            acc[0][i] = _mm512_add_ps(a[0], b);                                                \
-            for (int m = 1; m < M; m++) acc[m][i] = a[m];                                      \
+            for (int j = 0; j < 2; j++) {                                                      \
+                acc[0][i + j] = _mm512_add_ps(a[j][0], b[j]);                                  \
+                for (int m = 1; m < M; m++) acc[m][i + j] = a[j][m];                           \
+            }                                                                                  \
         }                                                                                      \
         for (int m = 0; m < M; m++)                                                            \
             _mm512_mask_storeu_ps(y + (long)m * y_stride + n0, (__mmask16)((1u << nn) - 1u),   \
