@@ -74,7 +74,8 @@ FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
 # The same with every matmul as the GGUF's quantized blocks (past 8 rows the kernel takes
 # them 8 at a time per weight tile): docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS". On CPUs
 # with AMX the per-op path's bf16 matmuls run on the AMX tiles and overtake the block
-# kernel past 8 rows (docs/PERF_RESULT.md, "Sixth round").
+# kernel past 8 rows (docs/PERF_RESULT.md, sixth round; again with the tile kernel,
+# docs/KERNELS.md, "Two output rows side by side").
 FUSED_MAX_ROWS_BLOCKS = {
     torch.bfloat16: 8 if cpu_has_flag("amx_bf16") else 16,
     torch.float32: 32,
