@@ -162,14 +162,13 @@ static inline __attribute__((always_inline)) __m512bh q8_block_bf16(const int8_t
                 acc[0][i] = _mm512_add_ps(a0, b0);                                             \
                 acc[0][i + 1] = _mm512_add_ps(a1, b1);                                         \
             }                                                                                  \
-        } else { /* up to 4 rows: two output rows side by side too (2 M chains) */          \
-            const int step = 2;                                                                \
-            for (int i = 0; i < 16; i += step) {                                               \
+        } else { /* two output rows side by side here too (2 M chains) */                   \
+            for (int i = 0; i < 16; i += 2) {                                                  \
                 __m512 a[2][GEMV_MAX_ROWS];                                                    \
                 for (int m = 0; m < M; m++) a[0][m] = a[1][m] = _mm512_setzero_ps();           \
                 if (i < nn) {                                                                  \
                     const long r = n0 + i;                                                     \
-                    const int two = step == 2 && i + 1 < nn;                                   \
+                    const int two = i + 1 < nn;                                                \
                     for (int kb = 0; kb < KB; kb++) {                                          \
                         const __m512bh w0 = BLOCK(r, kb);                                      \
                         for (int m = 0; m < M; m++)                                            \
@@ -186,7 +185,7 @@ static inline __attribute__((always_inline)) __m512bh q8_block_bf16(const int8_t
                         }                                                                      \
                     }                                                                          \
                 }                                                                              \
-                for (int j = 0; j < step; j++) { /* + 0 as the plain kernel */                 \
+                for (int j = 0; j < 2; j++) { /* + 0 as the plain kernel */                    \
                     acc[0][i + j] = _mm512_add_ps(a[j][0], _mm512_setzero_ps());               \
                     for (int m = 1; m < M; m++) acc[m][i + j] = a[j][m];                       \
                 }                                                                              \

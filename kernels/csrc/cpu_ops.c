@@ -224,14 +224,13 @@ static inline __attribute__((always_inline)) void bf16_store16(uint16_t *y, __m5
                 acc[0][i] = _mm512_add_ps(a0, b0);                                             \
                 acc[0][i + 1] = _mm512_add_ps(a1, b1);                                         \
             }                                                                                  \
-        } else { /* up to 4 rows: two output rows side by side too (2 M chains) */          \
-            const int step = 2;                                                                \
-            for (int i = 0; i < 16; i += step) {                                               \
+        } else { /* two output rows side by side here too (2 M chains) */                   \
+            for (int i = 0; i < 16; i += 2) {                                                  \
                 __m512 a[2][GEMV_MAX_ROWS];                                                    \
                 for (int m = 0; m < M; m++) a[0][m] = a[1][m] = _mm512_setzero_ps();           \
                 if (i < nn) {                                                                  \
                     const T *w0 = w + (long)(n0 + i) * K;                                      \
-                    const int two = step == 2 && i + 1 < nn;                                   \
+                    const int two = i + 1 < nn;                                                \
                     for (int kv = 0; kv < KV; kv++) {                                          \
                         for (int m = 0; m < M; m++)                                            \
                             a[0][m] = DOT(a[0][m], x + m * x_stride + VE * kv, w0 + VE * kv);  \
@@ -241,7 +240,7 @@ static inline __attribute__((always_inline)) void bf16_store16(uint16_t *y, __m5
                                               w0 + K + VE * kv);                               \
                     }                                                                          \
                 }                                                                              \
-                for (int j = 0; j < step; j++) {                                               \
+                for (int j = 0; j < 2; j++) {                                                  \
                     acc[0][i + j] = _mm512_add_ps(a[j][0], _mm512_setzero_ps());               \
                     for (int m = 1; m < M; m++) acc[m][i + j] = a[j][m];                       \
                 }                                                                              \
@@ -270,7 +269,7 @@ static inline __attribute__((always_inline)) void bf16_store16(uint16_t *y, __m5
             case 6: NAME##_tile(6, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
             case 7: NAME##_tile(7, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
             case 8: NAME##_tile(8, x, x_stride, w, y, y_stride, n0, nn, K); break;             \
-            default: NAME##_tile(M, x, x_stride, w, y, y_stride, n0, nn, K); break;            \
+            default: break; /* NAME##_covers keeps M in 1 .. 8 */                              \
             }                                                                                  \
         }                                                                                      \
         return 0;                                                                              \
