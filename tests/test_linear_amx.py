@@ -21,6 +21,7 @@ from sarazmq.kernels.linear_weight import LinearWeight
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.llama import LlamaForCausalLM
+from tests.test_model import _tiny_config
 
 needs_amx = pytest.mark.skipif(not amx_linear_available(), reason="CPU without AMX tiles")
 BF = torch.bfloat16
@@ -108,18 +109,14 @@ def test_weight_holds_tiles_instead_of_onednn_and_drops_plain() -> None:
 
 
 def _tile_model() -> tuple[ModelConfig, LlamaForCausalLM]:
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
+    # sizes multiples of 32 where the tile kernel needs them; an untied LM head
+    cfg = _tiny_config(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=96,
-        num_layers=2,
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position=64,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg, CpuPagedAttention(), dtype=BF)

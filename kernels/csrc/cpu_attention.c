@@ -548,6 +548,17 @@ int gather_blocks(const char *cache, long row_bytes, const int32_t *blocks, long
     return 0;
 }
 
+int prefill_check(const int32_t *table, int q_len, int k_len, int H, int Hkv, int D,
+                  int block_size, long num_blocks) {
+    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || q_len < 1 || k_len < q_len ||
+        block_size < 1)
+        return -1;
+    const int nblk = (k_len + block_size - 1) / block_size;
+    for (int b = 0; b < nblk; b++)
+        if (table[b] < 0 || table[b] >= num_blocks) return -2;
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------
  * Prefill attention for bf16 on CPUs with AVX512-BF16: one chunk of q_len queries at
  * absolute positions k_len - q_len .. k_len - 1 over all k_len keys of its sequence, read
@@ -692,12 +703,8 @@ int prefill_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_c
                            int H, int Hkv, int D, int block_size, float scale, uint16_t *out,
                            long out_stride, long num_blocks, uint16_t *scratch) {
 #ifdef HAVE_PREFILL_BF16
-    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || q_len < 1 || k_len < q_len ||
-        block_size < 1)
-        return -1;
-    const int nblk = (k_len + block_size - 1) / block_size;
-    for (int b = 0; b < nblk; b++)
-        if (table[b] < 0 || table[b] >= num_blocks) return -2;
+    const int rc = prefill_check(table, q_len, k_len, H, Hkv, D, block_size, num_blocks);
+    if (rc != 0) return rc;
     const int G = H / Hkv, runs = (k_len + 15) / 16, ctx = k_len - q_len;
     const long run_words = 16L * D / 2; /* 32-bit words per packed run (K or V) */
     uint32_t *kp = (uint32_t *)scratch;

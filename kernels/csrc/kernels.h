@@ -66,6 +66,11 @@ int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, c
                    char *v_cache, const int64_t *slots, long num_tokens, long row_elems,
                    long elem_size, long num_slots);
 
+/* The prefill kernels' argument checks: 0 fine; -1 sizes they do not take (head size 64
+ * or 128, H a multiple of Hkv, 1 <= q_len <= k_len); -2 a block id outside the cache */
+int prefill_check(const int32_t *table, int q_len, int k_len, int H, int Hkv, int D,
+                  int block_size, long num_blocks);
+
 /* K and V of keys run * 16 .. run * 16 + 15 of KV head h in the packed layouts of the
  * prefill kernels: K [D/2][16], V [8][D], 32-bit words; keys past k_len are zeros */
 void prefill_pack_kv_run(const uint16_t *k_cache, const uint16_t *v_cache,

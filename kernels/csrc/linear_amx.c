@@ -27,43 +27,18 @@
 #include <omp.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
+#ifdef HAVE_AMX_TILES
 #define HAVE_LINEAR_AMX 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 /* bytes of weights ahead of the tile being multiplied that each thread prefetches */
 #define PREFETCH_AHEAD 4096
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) LinearTileConfig;
-
-static int linear_amx_granted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
 /* rows0, rows1: the rows of the group's two 16-row blocks (rows1 may be 0: one block) */
 static void config_tiles(int rows0, int rows1) {
-    LinearTileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    const int r1 = rows1 > 0 ? rows1 : 1;
-    const uint8_t rows[8] = {(uint8_t)rows0, (uint8_t)rows0, (uint8_t)r1, (uint8_t)r1,
-                             (uint8_t)rows0, (uint8_t)r1,    16,          16};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = rows[t];
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    const uint8_t r0 = (uint8_t)rows0, r1 = (uint8_t)(rows1 > 0 ? rows1 : 1);
+    const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    amx_configure(rows);
 }
 
 /* 16 float32 accumulators of one row -> 16 bf16 outputs */
@@ -117,7 +92,7 @@ static inline void column_pair(const uint16_t *x, long x_stride, const uint32_t 
 
 int linear_amx_supported(void) {
 #ifdef HAVE_LINEAR_AMX
-    return linear_amx_granted();
+    return amx_tiles_granted();
 #else
     return 0;
 #endif
@@ -150,7 +125,7 @@ int linear_amx_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked, u
                     long y_stride, int M, int N, int K) {
 #ifdef HAVE_LINEAR_AMX
     if (M < 1 || N < 32 || K < 32 || N % 32 != 0 || K % 32 != 0) return -1;
-    if (!linear_amx_granted()) return -1;
+    if (!amx_tiles_granted()) return -1;
     const int pairs = N / 32, KB = K / 32;
     const uint32_t *wp = (const uint32_t *)wpacked;
     const long pair_words = (long)KB * 512;

@@ -23,22 +23,11 @@
 #include "common.h"
 #include "kernels.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
+#ifdef HAVE_AMX_TILES
 #define HAVE_PREFILL_AMX 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_MAX_D 128
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) TileConfig;
 
 /* exp(x) for the softmax, ~1e-6 relative (probabilities are rounded to bf16 after, and
  * SDPA's CPU kernel uses a 20-bit exp too): 2^(x log2 e) as 2^n by VSCALEFPS times a
@@ -63,23 +52,8 @@ static inline __mmask16 live_mask(__m512i positions, int key) {
     return _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(key));
 }
 
-/* Linux hands out the tile state only on request (once per process); 1 granted, 0 not */
-static int amx_granted(void) {
-    static int state = -1; /* -1 not asked yet */
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-static void load_tile_config(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) { /* every tile is 16 rows x 64 bytes */
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* every tile is 16 rows x 64 bytes here */
+static const uint8_t TILE_ROWS[8] = {16, 16, 16, 16, 16, 16, 16, 16};
 
 /* K and V of keys 32 g .. 32 g + 31 of KV head h for the tiles: K as it is ([32][D]
  * bf16, key rows), V transposed ([D][32] bf16, V^T rows); keys past k_len are zeros. */
@@ -216,7 +190,7 @@ static void amx_rows(const uint16_t *q, long q_stride, const uint16_t *kn, const
 /* 1 when this build has the AMX kernel and the process may use the tiles, else 0 */
 int prefill_amx_supported(void) {
 #ifdef HAVE_PREFILL_AMX
-    return amx_granted();
+    return amx_tiles_granted();
 #else
     return 0;
 #endif
@@ -233,13 +207,9 @@ int prefill_attention_amx_bf16(const uint16_t *q, long q_stride, const uint16_t 
                                uint16_t *out, long out_stride, long num_blocks,
                                uint16_t *scratch) {
 #ifdef HAVE_PREFILL_AMX
-    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || q_len < 1 || k_len < q_len ||
-        block_size < 1)
-        return -1;
-    const int nblk = (k_len + block_size - 1) / block_size;
-    for (int b = 0; b < nblk; b++)
-        if (table[b] < 0 || table[b] >= num_blocks) return -2;
-    if (!amx_granted()) return -1;
+    const int rc = prefill_check(table, q_len, k_len, H, Hkv, D, block_size, num_blocks);
+    if (rc != 0) return rc;
+    if (!amx_tiles_granted()) return -1;
     const int G = H / Hkv, kgroups = (k_len + 63) / 64 * 2, ctx = k_len - q_len;
     const long head_elems = (long)kgroups * 32 * D; /* per KV head, K or V */
     uint16_t *kn = scratch, *vt = scratch + (long)Hkv * head_elems;
@@ -252,7 +222,7 @@ int prefill_attention_amx_bf16(const uint16_t *q, long q_stride, const uint16_t 
     const int groups = (q_len + 15) / 16;
 #pragma omp parallel
     {
-        load_tile_config();
+        amx_configure(TILE_ROWS);
         /* latest rows first: they have the most keys, so the dynamic schedule ends balanced */
 #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < (long)H * groups; it++) {
