@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .block_quant import block_quant_covers, block_quant_linear
-from .linear_amx import amx_linear_available, linear_tiles
+from .linear_amx import amx_linear_available, linear_tiles, silu_mul_tiles
 from .linear_weight import LinearWeight
 from .native import load_library
 from .ops import apply_rope_, linear, rms_norm_
@@ -82,6 +82,11 @@ class HotOps:
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         """gate_up [T, 2 * inter] (gate, then up) -> silu(gate) * up [T, inter]."""
         return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+    def linear_silu_mul(self, x: torch.Tensor, weight: LinearWeight, inter: int) -> torch.Tensor:
+        """SwiGLU's projection and activation: silu_mul(linear(x, weight), inter) for a
+        gate/up weight [2 * inter, in] -> [T, inter]; backends may fuse the two."""
+        return self.silu_mul(self.linear(x, weight), inter)
 
     def apply_rope_(
         self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
@@ -257,6 +262,22 @@ class NativeCpuOps(HotOps):
         out = torch.empty((rows, inter), dtype=gate_up.dtype)
         fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter)
         return out
+
+    def linear_silu_mul(self, x: torch.Tensor, weight: LinearWeight, inter: int) -> torch.Tensor:
+        """As `HotOps.linear_silu_mul`; where `linear` would run the AMX tiles (more rows
+        than the C matrix-vector kernel takes) and the C `silu_mul` would follow, one tile
+        pass computes the activation from the products directly: the same bits, without
+        writing and re-reading the [T, 2 * inter] gate/up rows."""
+        if (
+            weight.tiles is not None
+            and x.shape[0] > _gemv_max_rows(weight)
+            and ("silu_mul", torch.bfloat16) in self._fns
+            and weight.out_features == 2 * inter
+        ):
+            out = silu_mul_tiles(x, weight.tiles, inter)
+            if out is not None:
+                return out
+        return super().linear_silu_mul(x, weight, inter)
 
     def apply_rope_(
         self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor

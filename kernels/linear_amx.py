@@ -31,6 +31,9 @@ class _Kernels:
         self.matmul = lib.linear_amx_bf16
         self.matmul.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I]
         self.matmul.restype = _I
+        self.silu_mul = lib.linear_amx_silu_mul_bf16
+        self.silu_mul.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I]
+        self.silu_mul.restype = _I
 
 
 _kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on first use
@@ -106,5 +109,29 @@ def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> tor
         rows,
         out_features,
         in_features,
+    )
+    return out if rc == 0 else None
+
+
+def silu_mul_tiles(x: torch.Tensor, tiles: torch.Tensor, inter: int) -> torch.Tensor | None:
+    """SwiGLU in one pass: silu(gate) * up [M, inter] where [gate | up] = x [M, in] (bf16,
+    unit column stride) @ the packed [2 * inter, in] weight^T; bitwise `linear_tiles`
+    followed by the C `silu_mul`, without the [M, 2 * inter] intermediate. None where the
+    kernel does not apply (nothing computed)."""
+    k = _get()
+    if (
+        k is None
+        or x.dim() != 2
+        or x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or x.stride(1) != 1
+        or x.shape[0] < 1
+        or tiles.numel() != 2 * inter * x.shape[1]
+    ):
+        return None
+    rows, in_features = x.shape
+    out = torch.empty((rows, inter), dtype=torch.bfloat16)
+    rc = k.silu_mul(
+        x.data_ptr(), x.stride(0), tiles.data_ptr(), out.data_ptr(), inter, rows, inter, in_features
     )
     return out if rc == 0 else None

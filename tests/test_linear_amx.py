@@ -1,7 +1,8 @@
 """The AMX tile matmul (sarazmq.kernels.linear_amx): against a float64 reference and
 oneDNN over row counts at and off the kernel's 16/32-row blocks, the shapes it refuses,
 the `tiles` weight variant (packed instead of oneDNN's copy, plain weight dropped with the
-same results), and a bf16 model whose matmuls run on it."""
+same results), the SwiGLU pass (bitwise the matmul then `silu_mul`), and a bf16 model whose
+matmuls run on it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sarazmq.kernels.linear_amx import (
     amx_linear_available,
     linear_tiles,
     pack_tiles,
+    silu_mul_tiles,
     tiles_cover,
 )
 from sarazmq.kernels.linear_weight import LinearWeight
@@ -59,6 +61,51 @@ def test_strided_rows_and_exact_small_integers() -> None:
     y = linear_tiles(x, pack_tiles(w), 64)
     assert y is not None
     assert torch.equal(y, (x.float() @ w.float().t()).to(BF))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [2, 15, 16, 17, 33, 100, 257])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (1536, 576)])
+def test_swiglu_tiles_bitwise_as_matmul_then_silu_mul(rows: int, shape: tuple[int, int]) -> None:
+    # (inter, in): one 16-column block; blocks across both halves of a pair; the model's
+    inter, k = shape
+    g = torch.Generator().manual_seed(rows + inter)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.1).to(BF)
+    wide = torch.randn(rows, k + 32, generator=g).to(BF)
+    native = NativeCpuOps()
+    tiles = pack_tiles(w)
+    for x in (wide[:, :k].contiguous(), wide[:, 32:]):  # contiguous and strided rows
+        act = silu_mul_tiles(x, tiles, inter)
+        assert act is not None and act.shape == (rows, inter)
+        assert torch.equal(act, native.silu_mul(linear_tiles(x, tiles, 2 * inter), inter))
+    # and close to torch's own SwiGLU of the bf16 products
+    y = torch.nn.functional.linear(x, w)
+    ref = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+    torch.testing.assert_close(act, ref, atol=0.05, rtol=0.05)
+
+
+@needs_amx
+def test_swiglu_op_fuses_only_where_the_matmul_runs_on_tiles() -> None:
+    native = NativeCpuOps()
+    g = torch.Generator().manual_seed(2)
+    w = LinearWeight((torch.randn(96, 64, generator=g) * 0.1).to(BF))
+    assert w.prepack(tiles=True) and w.tiles is not None
+    for rows in (1, 2, 9, 40):  # 1 row: the matrix-vector kernel, then silu_mul
+        x = torch.randn(rows, 64, generator=g).to(BF)
+        unfused = native.silu_mul(native.linear(x, w), 48)
+        assert torch.equal(native.linear_silu_mul(x, w, 48), unfused)
+        torch.testing.assert_close(
+            TORCH_OPS.linear_silu_mul(x, w, 48), unfused, atol=0.02, rtol=0.02
+        )
+    # what the pass does not take: float32 rows, a weight of other sizes, no rows
+    tiles = w.tiles
+    assert silu_mul_tiles(torch.zeros(3, 64), tiles, 48) is None
+    assert silu_mul_tiles(torch.zeros(3, 64, dtype=BF), tiles, 32) is None
+    assert silu_mul_tiles(torch.zeros(0, 64, dtype=BF), tiles, 48) is None
+    # an inter that is not a whole number of 16-column blocks: the C kernel refuses it
+    assert (
+        silu_mul_tiles(torch.zeros(3, 32, dtype=BF), torch.zeros(2 * 24 * 32, dtype=BF), 24) is None
+    )
 
 
 def test_what_the_kernel_does_not_take() -> None:

@@ -75,6 +75,30 @@ static inline __m512 exp512(__m512 x) {
                               _mm512_set1_ps(INFINITY));
 }
 
+/* silu(x) = x / (1 + exp(-x)) on 16 lanes, float32 */
+static inline __m512 silu16(__m512 x) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+/* 16 bf16 <-> float32, round to nearest even (finite inputs), as to_bf */
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline __m512 bf16x16_round(__m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                             _mm512_and_si512(_mm512_srli_epi32(b, 16),
+                                                              _mm512_set1_epi32(1))));
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+/* SwiGLU on 16 lanes of bf16 values (as float32): silu(gate) rounded to bf16, times up,
+ * rounded to bf16 (where torch stores its bf16 tensors); shared by silu_mul_bf16 and the
+ * tile matmul's fused epilogue so both give the same bits */
+static inline __m512 silu_mul16_bf16(__m512 gate, __m512 up) {
+    return bf16x16_round(_mm512_mul_ps(bf16x16_round(silu16(gate)), up));
+}
+
 /* Lane i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums (a run of keys'
  * dot products, a tile of output rows) in 45 shuffles and adds, where 16 separate
  * reductions would take ~130 and a dependent chain each. */

@@ -101,25 +101,6 @@ void rope_bf16(uint16_t *x, long x_stride, const uint16_t *cos, const uint16_t *
  * g / (1 + exp(-g)) in float32, as torch computes it; bf16 rounds where torch stores a
  * bf16 tensor (after silu, after the product). exp_approx is within ~2 ulp of torch's, so
  * results can differ from torch's in the last bit. */
-#if defined(__AVX512F__)
-/* silu(x) = x / (1 + exp(-x)) on 16 lanes, float32 */
-static inline __m512 silu16(__m512 x) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-}
-/* 16 bf16 <-> float32, round to nearest even (finite inputs), as to_bf */
-static inline __m512 bf16x16_load(const uint16_t *p) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-static inline __m512 bf16x16_round(__m512 v) {
-    __m512i b = _mm512_castps_si512(v);
-    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                             _mm512_and_si512(_mm512_srli_epi32(b, 16),
-                                                              _mm512_set1_epi32(1))));
-    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000)));
-}
-#endif
 
 void silu_mul_f32(const float *gate_up, long gu_stride, float *out, long o_stride, long rows,
                   int inter) {
@@ -146,8 +127,7 @@ void silu_mul_bf16(const uint16_t *gate_up, long gu_stride, uint16_t *out, long 
         int j = 0;
 #if defined(__AVX512F__)
         for (; j + 16 <= inter; j += 16) {
-            const __m512 sv = bf16x16_round(silu16(bf16x16_load(g + j)));
-            const __m512 r = bf16x16_round(_mm512_mul_ps(sv, bf16x16_load(u + j)));
+            const __m512 r = silu_mul16_bf16(bf16x16_load(g + j), bf16x16_load(u + j));
             _mm256_storeu_si256((__m256i *)(o + j),
                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
         }

@@ -17,6 +17,11 @@
  * Tiles: 0-3 accumulators (2 row blocks x 2 column blocks), 4-5 x (A), 6-7 w (B).
  * Row groups of 32 (two 16-row blocks); the last group's blocks take fewer rows through
  * the tile configuration.
+ *
+ * SwiGLU (linear_amx_silu_mul_bf16): the same loop over a gate/up weight, its two column
+ * blocks a gate block and the up block of the same columns, the activation computed from
+ * the rounded products in the epilogue (silu_mul16_bf16, as silu_mul_bf16): the MLP's
+ * [rows][2 * inter] intermediate is neither written nor read back.
  */
 #include <stdlib.h>
 
@@ -41,16 +46,24 @@ static void config_tiles(int rows0, int rows1) {
     amx_configure(rows);
 }
 
-/* 16 float32 accumulators of one row -> 16 bf16 outputs */
-static inline void store_row_bf16(uint16_t *y, const float *acc) {
-    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc)));
+/* 16 float32 sums of one row -> 16 bf16 outputs (to nearest even) */
+static inline void store_row_bf16(uint16_t *y, __m512 sums) {
+    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sums));
 }
 
-/* One pair of 16-column blocks (columns n0 .. n0 + 31) for rows m0 .. m0 + rows0 + rows1. */
-static inline void column_pair(const uint16_t *x, long x_stride, const uint32_t *wp, int K,
-                               uint16_t *y, long y_stride, int m0, int rows0, int rows1, int n0,
-                               const char *prefetch_from, const char *prefetch_end) {
-    __attribute__((aligned(64))) float acc[16 * 16];
+/* Two 16-column blocks of the product for rows m0 .. m0 + rows0 + rows1. Tiles 6 and 7
+ * stream the blocks' packed weights: w6, w7 point at their first 1 KB tile, each next k
+ * step's is 2 KB on (the layout's [K / 32][2 columns of 16] order). Plain (silu == 0):
+ * the blocks are columns n0 .. n0 + 31 of y. SwiGLU (silu != 0): w6 is a gate block and
+ * w7 the up block of the same columns, and y gets silu(gate) * up in its 16 columns
+ * n0 .. n0 + 15, each product first rounded to bf16 as the plain output would be, so the
+ * result is bitwise the plain matmul followed by silu_mul_bf16. pf6, pf7: where the
+ * weight prefetches of w6's and w7's streams start (NULL: none). */
+static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_t *w6,
+                                 const uint32_t *w7, int K, uint16_t *y, long y_stride,
+                                 int m0, int rows0, int rows1, int n0, int silu,
+                                 const char *pf6, const char *pf7, const char *prefetch_end) {
+    __attribute__((aligned(64))) float acc[2][16 * 16];
     const int KB = K / 32;
     const long xs = x_stride * 2; /* bytes */
     const uint16_t *x0 = x + (long)m0 * x_stride, *x1 = x0 + 16 * x_stride;
@@ -59,13 +72,13 @@ static inline void column_pair(const uint16_t *x, long x_stride, const uint32_t 
     _tile_zero(2);
     _tile_zero(3);
     for (int kb = 0; kb < KB; kb++) {
-        const uint32_t *b = wp + (long)kb * 512; /* two 1 KB tiles: columns n0, n0 + 16 */
-        if (prefetch_from) {
-            const char *p = prefetch_from + (long)kb * 2048;
-            for (int c = 0; c < 2048 && p + c < prefetch_end; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+        if (pf6) {
+            const char *p6 = pf6 + (long)kb * 2048, *p7 = pf7 + (long)kb * 2048;
+            for (int c = 0; c < 1024 && p6 + c < prefetch_end; c += 64) _mm_prefetch(p6 + c, _MM_HINT_T0);
+            for (int c = 0; c < 1024 && p7 + c < prefetch_end; c += 64) _mm_prefetch(p7 + c, _MM_HINT_T0);
         }
-        _tile_loadd(6, b, 64);
-        _tile_loadd(7, b + 256, 64);
+        _tile_loadd(6, w6 + (long)kb * 512, 64);
+        _tile_loadd(7, w7 + (long)kb * 512, 64);
         _tile_loadd(4, x0 + kb * 32, xs);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
@@ -75,17 +88,75 @@ static inline void column_pair(const uint16_t *x, long x_stride, const uint32_t 
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    uint16_t *y0 = y + (long)m0 * y_stride + n0;
-    _tile_stored(0, acc, 64);
-    for (int r = 0; r < rows0; r++) store_row_bf16(y0 + r * y_stride, acc + r * 16);
-    _tile_stored(1, acc, 64);
-    for (int r = 0; r < rows0; r++) store_row_bf16(y0 + r * y_stride + 16, acc + r * 16);
-    if (rows1 > 0) {
-        uint16_t *y1 = y0 + 16 * y_stride;
-        _tile_stored(2, acc, 64);
-        for (int r = 0; r < rows1; r++) store_row_bf16(y1 + r * y_stride, acc + r * 16);
-        _tile_stored(3, acc, 64);
-        for (int r = 0; r < rows1; r++) store_row_bf16(y1 + r * y_stride + 16, acc + r * 16);
+    for (int blk = 0; blk < 2; blk++) { /* row blocks */
+        const int rows = blk == 0 ? rows0 : rows1;
+        if (rows <= 0) break;
+        uint16_t *yb = y + (long)(m0 + 16 * blk) * y_stride + n0;
+        if (blk == 0) {
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+        } else {
+            _tile_stored(2, acc[0], 64);
+            _tile_stored(3, acc[1], 64);
+        }
+        for (int r = 0; r < rows; r++) {
+            if (silu) {
+                const __m512 g = bf16x16_round(_mm512_load_ps(acc[0] + r * 16));
+                const __m512 u = bf16x16_round(_mm512_load_ps(acc[1] + r * 16));
+                store_row_bf16(yb + r * y_stride, silu_mul16_bf16(g, u));
+            } else {
+                store_row_bf16(yb + r * y_stride, _mm512_load_ps(acc[0] + r * 16));
+                store_row_bf16(yb + r * y_stride + 16, _mm512_load_ps(acc[1] + r * 16));
+            }
+        }
+    }
+}
+
+/* The matmul over `units` units of output columns, each thread a contiguous range of
+ * them (one stream through the weights), for all M rows in groups of 32. A unit is a
+ * column pair (plain: columns 32 u .. 32 u + 31) or, with silu, a 16-column block of the
+ * SwiGLU output (gate block u, up block `units` + u of the packed [2 * inter] weight). */
+static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, uint16_t *y,
+                      long y_stride, int M, int K, int units, int silu, const char *w_end) {
+    const long pair_words = (long)(K / 32) * 512;
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int nt = 1, t = 0;
+#endif
+        const int u_begin = (int)((long)units * t / nt), u_end = (int)((long)units * (t + 1) / nt);
+        int configured = -1; /* the rows of the tail group the tiles are configured for */
+        for (int u = u_begin; u < u_end; u++) {
+            const uint32_t *w6, *w7;
+            if (silu) { /* 16-column block j sits in pair j / 2, half j % 2 */
+                const int g = u, up = units + u;
+                w6 = wp + (long)(g / 2) * pair_words + (g % 2) * 256;
+                w7 = wp + (long)(up / 2) * pair_words + (up % 2) * 256;
+            } else {
+                w6 = wp + (long)u * pair_words;
+                w7 = w6 + 256;
+            }
+            for (int m0 = 0; m0 < M; m0 += 32) {
+                const int left = M - m0;
+                const int rows0 = left < 16 ? left : 16;
+                const int rows1 = left <= 16 ? 0 : (left - 16 < 16 ? left - 16 : 16);
+                const int shape = rows0 * 32 + rows1;
+                if (shape != configured) {
+                    config_tiles(rows0, rows1);
+                    configured = shape;
+                }
+                /* the first row group of a unit streams the weights: prefetches run
+                 * PREFETCH_AHEAD bytes ahead of the tiles it multiplies */
+                const int first = m0 == 0;
+                column_blocks(x, x_stride, w6, w7, K, y, y_stride, m0, rows0, rows1,
+                              silu ? 16 * u : 32 * u, silu,
+                              first ? (const char *)w6 + PREFETCH_AHEAD : NULL,
+                              first ? (const char *)w7 + PREFETCH_AHEAD : NULL, w_end);
+            }
+        }
+        _tile_release();
     }
 }
 #endif
@@ -126,43 +197,32 @@ int linear_amx_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked, u
 #ifdef HAVE_LINEAR_AMX
     if (M < 1 || N < 32 || K < 32 || N % 32 != 0 || K % 32 != 0) return -1;
     if (!amx_tiles_granted()) return -1;
-    const int pairs = N / 32, KB = K / 32;
     const uint32_t *wp = (const uint32_t *)wpacked;
-    const long pair_words = (long)KB * 512;
-    const char *w_end = (const char *)(wp + (long)pairs * pair_words);
-#pragma omp parallel
-    {
-#ifdef _OPENMP
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-        const int nt = 1, t = 0;
-#endif
-        /* each thread a contiguous range of column pairs: one stream through memory */
-        const int p_begin = (int)((long)pairs * t / nt), p_end = (int)((long)pairs * (t + 1) / nt);
-        int configured = -1; /* the rows of the tail group the tiles are configured for */
-        for (int np = p_begin; np < p_end; np++) {
-            const uint32_t *w_pair = wp + np * pair_words;
-            for (int m0 = 0; m0 < M; m0 += 32) {
-                const int left = M - m0;
-                const int rows0 = left < 16 ? left : 16;
-                const int rows1 = left <= 16 ? 0 : (left - 16 < 16 ? left - 16 : 16);
-                const int shape = rows0 * 32 + rows1;
-                if (shape != configured) {
-                    config_tiles(rows0, rows1);
-                    configured = shape;
-                }
-                /* the first row group of a pair streams the weights: prefetches run
-                 * PREFETCH_AHEAD bytes ahead of the tiles it multiplies */
-                const char *pf = m0 == 0 ? (const char *)w_pair + PREFETCH_AHEAD : NULL;
-                column_pair(x, x_stride, w_pair, K, y, y_stride, m0, rows0, rows1, np * 32,
-                            pf, w_end);
-            }
-        }
-        _tile_release();
-    }
+    run_units(x, x_stride, wp, y, y_stride, M, K, N / 32, 0, (const char *)(wp + (long)N * K / 2));
     return 0;
 #else
     (void)x; (void)x_stride; (void)wpacked; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+/* SwiGLU through the tiles: y [M][inter] (row stride y_stride) = silu(gate) * up, where
+ * [gate | up] = x [M][K] w^T and w [2 * inter][K] (gate rows, then up rows) was packed by
+ * linear_amx_pack; bitwise linear_amx_bf16 followed by silu_mul_bf16, without the
+ * [M][2 * inter] intermediate. Returns 0, or -1 where this build, process or these sizes
+ * are not covered (inter % 16; nothing written). */
+int linear_amx_silu_mul_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked,
+                             uint16_t *y, long y_stride, int M, int inter, int K) {
+#ifdef HAVE_LINEAR_AMX
+    if (M < 1 || inter < 16 || K < 32 || inter % 16 != 0 || K % 32 != 0) return -1;
+    if (!amx_tiles_granted()) return -1;
+    const uint32_t *wp = (const uint32_t *)wpacked;
+    run_units(x, x_stride, wp, y, y_stride, M, K, inter / 16, 1,
+              (const char *)(wp + (long)inter * K));
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)wpacked; (void)y; (void)y_stride; (void)M; (void)inter;
+    (void)K;
     return -1;
 #endif
 }

@@ -29,22 +29,25 @@
 #define HAVE_PREFILL_AMX 1
 #define AMX_MAX_D 128
 
-/* exp(x) for the softmax, ~1e-6 relative (probabilities are rounded to bf16 after, and
- * SDPA's CPU kernel uses a 20-bit exp too): 2^(x log2 e) as 2^n by VSCALEFPS times a
- * degree-5 polynomial of the fraction; inputs below -126 (-inf: masked keys, the first
- * step's maximum) give ~1e-55, i.e. 0 in float32. */
-static inline __m512 exp_softmax(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)),
-                                   _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+/* 2^x for the softmax, ~3e-6 relative (probabilities are rounded to bf16 after, and
+ * SDPA's CPU kernel uses a 20-bit exp too): 2^n by VSCALEFPS times a degree-4 polynomial
+ * (near-minimax on [-0.5, 0.5]) of the fraction. The scores come in log2 units (scaled by
+ * scale * log2 e in the one FMA that subtracts the maximum), so no multiply here. x must
+ * be finite; exp2_softmax_clamped also takes -inf (the first step's old maximum). */
+static inline __m512 exp2_softmax(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(9.5759919e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5918328e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024600e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312173e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999928e-1f));
+    return _mm512_scalef_ps(p, n); /* n below -149 gives 0 */
+}
+
+/* exp2_softmax for inputs that may be -inf (0 then): clamped to -200 first */
+static inline __m512 exp2_softmax_clamped(__m512 x) {
+    return exp2_softmax(_mm512_max_ps(x, _mm512_set1_ps(-200.0f)));
 }
 
 /* the rows (lanes) that see key `key`: those at positions >= it */
@@ -98,7 +101,8 @@ static void amx_rows(const uint16_t *q, long q_stride, const uint16_t *kn, const
     }
     memset(ot, 0, sizeof(float) * 16 * (size_t)D);
     const __m512i posv = _mm512_loadu_si512(pos);
-    const __m512 sc = _mm512_set1_ps(scale);
+    /* scores to log2 units: exp(scale s - m) = 2^(scale log2(e) s - m log2(e)) */
+    const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     /* (p[2i][r], p[2i+1][r]) pairs from [p 2i lanes | p 2i+1 lanes] */
     const __m512i pair_idx = _mm512_set_epi16(
@@ -142,12 +146,13 @@ static void amx_rows(const uint16_t *q, long q_stride, const uint16_t *kn, const
         const __m512 step_max = _mm512_max_ps(_mm512_max_ps(raw_max[0], raw_max[1]),
                                               _mm512_max_ps(raw_max[2], raw_max[3]));
         const __m512 mx = _mm512_max_ps(m, _mm512_mul_ps(step_max, sc));
-        const __m512 corr = exp_softmax(_mm512_sub_ps(m, mx)); /* 0 on the first step */
+        const __m512 corr = exp2_softmax_clamped(_mm512_sub_ps(m, mx)); /* 0 on the first step */
         m = mx;
         __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int i = 0; i < 32; i++) {
-            __m512 p0 = exp_softmax(_mm512_fmsub_ps(_mm512_load_ps(st + 32 * i), sc, mx));
-            __m512 p1 = exp_softmax(_mm512_fmsub_ps(_mm512_load_ps(st + 32 * i + 16), sc, mx));
+            /* masked lanes may compute anything finite here: they are zeroed below */
+            __m512 p0 = exp2_softmax(_mm512_fmsub_ps(_mm512_load_ps(st + 32 * i), sc, mx));
+            __m512 p1 = exp2_softmax(_mm512_fmsub_ps(_mm512_load_ps(st + 32 * i + 16), sc, mx));
             if (masked) {
                 p0 = _mm512_maskz_mov_ps(live_mask(posv, k0 + 2 * i), p0);
                 p1 = _mm512_maskz_mov_ps(live_mask(posv, k0 + 2 * i + 1), p1);

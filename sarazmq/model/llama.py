@@ -251,8 +251,7 @@ class LlamaForCausalLM(nn.Module):
             o = ops.linear(attn.reshape(t, layer.q_size), layer.o_proj)  # [T, hidden]
             x = self._all_reduce(o)
             h, residual = ops.rms_norm_(x, layer.post_attention_layernorm, eps, residual)
-            gate_up = ops.linear(h, layer.gate_up_proj)  # [T, 2 Il]
-            act = ops.silu_mul(gate_up, layer.inter)  # [T, Il]
+            act = ops.linear_silu_mul(h, layer.gate_up_proj, layer.inter)  # [T, Il]
             x = self._all_reduce(ops.linear(act, layer.down_proj))  # [T, hidden]
         if self.norm is None:
             if residual is None:  # every stage has a layer, and the first one sets it
