@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from sarazmq.kernels.argmax import argmax_rows
+from sarazmq.kernels.native import load_library
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.worker.sampler import (
     Sampler,
@@ -55,6 +57,28 @@ def test_greedy_argmax_and_lowest_index_on_ties() -> None:
     tokens2, lps2 = Sampler().sample(logits, seqs)
     assert tokens2 == tokens
     assert all(lp is not None for lp in lps2)
+
+
+@pytest.mark.skipif(load_library() is None, reason="native kernels not built")
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 100, 49152])
+def test_native_argmax_matches_torch_max(cols: int) -> None:
+    # the greedy fast path's C argmax against torch.max(dim).indices: random rows, ties
+    # (the first maximum), NaNs (the first NaN), a row of -inf, rows past a vector's end
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(9, cols + 3, generator=g)[:, 3:]  # a row stride that is not cols
+    x[1, cols // 2 :] = 50.0  # tie: the first of them
+    x[2, -1] = 99.0  # the maximum in the last (scalar tail) element
+    x[3, cols // 3] = float("nan")
+    x[3, -1] = float("nan")
+    x[4] = NEG_INF
+    x[5, 0] = float("inf")
+    x[6] = torch.round(x[6])  # many ties
+    assert argmax_rows(x) == x.max(dim=-1).indices.tolist()
+    assert argmax_rows(torch.zeros(0, cols)) == []
+    # what it does not take: other dtypes, a strided row, no columns
+    assert argmax_rows(x.to(torch.bfloat16)) is None
+    assert argmax_rows(torch.zeros(4, 2 * cols + 2)[:, ::2]) is None
+    assert argmax_rows(torch.zeros(4, 0)) is None
 
 
 def test_input_logits_not_modified_and_bad_shape_rejected() -> None:

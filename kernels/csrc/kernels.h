@@ -85,6 +85,9 @@ int prefill_attention_amx_bf16(const uint16_t *q, long q_stride, const uint16_t 
                                uint16_t *out, long out_stride, long num_blocks,
                                uint16_t *scratch);
 
+/* argmax.c */
+void argmax_rows_f32(const float *x, long x_stride, long rows, long cols, int64_t *out);
+
 /* linear_amx.c */
 int linear_amx_supported(void);
 int linear_amx_pack(const uint16_t *w, int N, int K, uint16_t *out);

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sarazmq.kernels.argmax import argmax_rows
 from sarazmq.protocol.common import TokenLogprobs
 from sarazmq.sampling_params import SamplingParams
 
@@ -80,10 +81,14 @@ class Sampler:
         if n == 0:
             return [], []
         if all(self._is_plain_greedy(s) for s in seqs):
-            # fast path: nothing modifies the logits, one batched argmax. max(dim) gives the
-            # same indices (first maximum on ties, as documented) and is the faster of the
-            # two on CPU (docs/PERF_RESULT.md, "Sampling")
-            return logits.max(dim=-1).indices.tolist(), [None] * n
+            # fast path: nothing modifies the logits, one batched argmax: the C kernel on
+            # CPU float32 logits, else max(dim), which gives the same indices (first maximum
+            # on ties, as documented) and is the faster torch op on CPU (docs/PERF_RESULT.md,
+            # "Sampling")
+            greedy = argmax_rows(logits)
+            if greedy is None:
+                greedy = logits.max(dim=-1).indices.tolist()
+            return greedy, [None] * n
 
         device = logits.device
         x = logits.to(torch.float32, copy=True)  # [N, V], ours to modify in place
