@@ -41,7 +41,11 @@ static inline void amx_configure(const uint8_t rows[8]) {
         cfg.rows[t] = rows[t];
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    /* not _tile_loadconfig: GCC's version tells the compiler that LDTILECFG reads only
+     * the configuration's first 8 bytes, so the stores of the rest may be dropped or moved
+     * past it (seen as a fault on LDTILECFG once the stack slot was shared); here the
+     * operand is the whole 64-byte structure */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 #endif
 
