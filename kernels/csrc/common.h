@@ -92,6 +92,11 @@ static inline __m512 bf16x16_round(__m512 v) {
                                                               _mm512_set1_epi32(1))));
     return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000)));
 }
+/* 16 float32 lanes already rounded to bf16 values (bf16x16_round) -> 16 bf16 */
+static inline void bf16x16_store(uint16_t *p, __m512 rounded) {
+    _mm256_storeu_si256((__m256i *)p,
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
 /* SwiGLU on 16 lanes of bf16 values (as float32): silu(gate) rounded to bf16, times up,
  * rounded to bf16 (where torch stores its bf16 tensors); shared by silu_mul_bf16 and the
  * tile matmul's fused epilogue so both give the same bits */

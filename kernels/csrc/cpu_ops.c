@@ -84,6 +84,26 @@ void rope_bf16(uint16_t *x, long x_stride, const uint16_t *cos, const uint16_t *
     PAR_ROWS(rows)
     for (long i = 0; i < rows; i++) {
         const uint16_t *c = cos + i * (long)D, *s = sin_signed + i * (long)D;
+#if defined(__AVX512F__)
+        if (half % 16 == 0 && half <= 256) {
+            /* 16 lanes at a time, the same roundings as the scalar loop below (bitwise) */
+            for (int h = 0; h < heads; h++) {
+                uint16_t *xh = x + i * x_stride + (long)h * D;
+                for (int d = 0; d < half; d += 16) {
+                    const __m512 lo = bf16x16_load(xh + d), hi = bf16x16_load(xh + half + d);
+                    const __m512 out_lo = bf16x16_round(
+                        _mm512_add_ps(bf16x16_round(_mm512_mul_ps(lo, bf16x16_load(c + d))),
+                                      bf16x16_round(_mm512_mul_ps(hi, bf16x16_load(s + d)))));
+                    const __m512 out_hi = bf16x16_round(_mm512_add_ps(
+                        bf16x16_round(_mm512_mul_ps(hi, bf16x16_load(c + half + d))),
+                        bf16x16_round(_mm512_mul_ps(lo, bf16x16_load(s + half + d)))));
+                    bf16x16_store(xh + d, out_lo);
+                    bf16x16_store(xh + half + d, out_hi);
+                }
+            }
+            continue;
+        }
+#endif
         for (int h = 0; h < heads; h++) {
             uint16_t *xh = x + i * x_stride + (long)h * D;
             float tmp[512];
@@ -127,9 +147,7 @@ void silu_mul_bf16(const uint16_t *gate_up, long gu_stride, uint16_t *out, long 
         int j = 0;
 #if defined(__AVX512F__)
         for (; j + 16 <= inter; j += 16) {
-            const __m512 r = silu_mul16_bf16(bf16x16_load(g + j), bf16x16_load(u + j));
-            _mm256_storeu_si256((__m256i *)(o + j),
-                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
+            bf16x16_store(o + j, silu_mul16_bf16(bf16x16_load(g + j), bf16x16_load(u + j)));
         }
 #endif
         for (; j < inter; j++) {
