@@ -17,10 +17,11 @@ from scheduler_harness import (
 
 from sarazmq.config import POLICIES, SchedulerConfig
 from sarazmq.protocol.common import TokenLogprobs
-from sarazmq.protocol.engine import RequestDelta
+from sarazmq.protocol.engine import AddRequest, DeltaBatch, RequestDelta
 from sarazmq.protocol.worker import StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import BlockAllocationError, BlockManager, Request, Scheduler
+from sarazmq.scheduler.service import SchedulerActions, SchedulerService, detokenizer_shard
 
 EOS = 2
 
@@ -475,6 +476,35 @@ def test_logprobs_pass_through_and_delta_wire_roundtrip() -> None:
     assert d.logprobs == [lp]
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(d), type=RequestDelta)
     assert back == d and not back.finished
+
+
+def test_service_routes_every_delta_to_its_requests_detokenizer() -> None:
+    # several detokenizers: each request's add and every delta go to the one shard its id
+    # hashes to, before and after other requests finish (the service remembers a shard
+    # until the request's last delta), and each request ends with exactly one final delta
+    sched = make(max_num_seqs=4)
+    service = SchedulerService(sched, num_detokenizers=3)
+    worker = FakeWorker(4, 256)
+    ids = [f"req-{i}" for i in range(10)]
+    acts = SchedulerActions()
+    for i, rid in enumerate(ids):
+        params = greedy(1 + i % 4, ignore_eos=True)
+        service.on_inbound(AddRequest(rid, prompt(5 + i), params, 0.0), acts)
+    finals: dict[str, int] = {}
+    for _ in range(200):
+        for shard, msgs in acts.to_detokenizers.items():
+            for msg in msgs:
+                deltas = msg.deltas if isinstance(msg, DeltaBatch) else [msg]
+                for d in deltas:
+                    assert shard == detokenizer_shard(d.request_id, 3)
+                    if isinstance(d, RequestDelta) and d.finished:
+                        finals[d.request_id] = finals.get(d.request_id, 0) + 1
+        acts = SchedulerActions()
+        plan = service.next_plan()
+        if plan is None:
+            break
+        service.on_result(worker.run(plan), acts)
+    assert finals == {rid: 1 for rid in ids}
 
 
 def test_seeds_reproducible_and_in_range() -> None:

@@ -370,10 +370,14 @@ class Scheduler:
         self._pending_deltas = []
         num_prefill_tokens = num_decode_tokens = num_prefill_seqs = num_decode_seqs = 0
         finished_any = False
+        # this loop runs once per scheduled request per iteration (bench_ipc.py: 256
+        # running): the lookups it repeats are bound once here
+        reqs, token_ids, result_logprobs = entry.reqs, result.token_ids, result.logprobs
+        calibration = self._calibration_seq_ids
+        cache_full_blocks, check_finish = self.blocks.cache_full_blocks, self._check_finish
         for s in plan.scheduled:
-            req = entry.reqs[s.seq_id]
-            was_prefill = req.is_prefill
-            if was_prefill:
+            req = reqs[s.seq_id]
+            if req.is_prefill:
                 num_prefill_tokens += s.num_tokens
                 num_prefill_seqs += 1
             else:
@@ -382,21 +386,22 @@ class Scheduler:
             if req.is_finished:
                 continue  # aborted / stopped while the step ran
             req.num_computed_tokens += s.num_tokens
-            self.blocks.cache_full_blocks(req)  # its KV is written now: reusable
+            cache_full_blocks(req)  # its KV is written now: reusable
             if not s.sample:
                 continue
             i = sampled[s.seq_id]
-            token = result.token_ids[i]
+            token = token_ids[i]
             req.output_token_ids.append(token)
             req.token_times.append(now)
-            internal = s.seq_id in self._calibration_seq_ids  # nobody is listening
-            reason = self._check_finish(req, token)
+            # nobody listens to a calibration request (asked before _finish forgets it)
+            internal = bool(calibration) and s.seq_id in calibration
+            reason = check_finish(req, token)
             if reason:
                 self._finish(req, reason, remove_from_running=False)
                 finished_any = True
             if internal:
                 continue
-            lps: list[TokenLogprobs | None] = [result.logprobs[i]] if result.logprobs else []
+            lps: list[TokenLogprobs | None] = [result_logprobs[i]] if result_logprobs else []
             deltas.append(self._delta(req, [token], [now], lps))
         if finished_any:
             self.running[:] = [r for r in self.running if not r.is_finished]
@@ -469,14 +474,15 @@ class Scheduler:
         times: list[float],
         logprobs: list[TokenLogprobs | None],
     ) -> RequestDelta:
+        # positional (the struct's field order): one per request per iteration
         return RequestDelta(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            token_times=times,
-            num_preemptions=req.num_preemptions,
-            logprobs=logprobs,
+            req.request_id,
+            tokens,
+            req.finish_reason,
+            len(req.prompt_token_ids),
+            req.arrival_time,
+            req.first_scheduled_time,
+            times,
+            req.num_preemptions,
+            logprobs,
         )

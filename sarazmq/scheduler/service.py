@@ -57,6 +57,8 @@ class SchedulerService:
         self.in_flight: deque[BatchPlan] = deque()
         # control messages that arrive while a plan is in flight wait for the next result
         self.deferred: list[SchedulerInbound] = []
+        # detokenizer shard of each request with deltas routed and its last one not yet
+        self._shard_of: dict[str, int] = {}
 
     @property
     def can_plan(self) -> bool:
@@ -152,7 +154,14 @@ class SchedulerService:
                 acts.detok(0, DeltaBatch(deltas))
             return
         shards: dict[int, list[RequestDelta]] = {}
+        shard_of = self._shard_of  # the crc32 of a request id once, not per token
         for d in deltas:
-            shards.setdefault(detokenizer_shard(d.request_id, self.num_detokenizers), []).append(d)
+            last = bool(d.finish_reason)  # a request's last delta forgets its shard
+            shard = shard_of.pop(d.request_id, None) if last else shard_of.get(d.request_id)
+            if shard is None:
+                shard = detokenizer_shard(d.request_id, self.num_detokenizers)
+                if not last:
+                    shard_of[d.request_id] = shard
+            shards.setdefault(shard, []).append(d)
         for shard, batch in shards.items():
             acts.detok(shard, DeltaBatch(batch))
