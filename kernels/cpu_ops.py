@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from .block_quant import block_quant_covers, block_quant_linear
-from .linear_amx import amx_linear_available, linear_tiles, silu_mul_tiles
+from .linear_amx import (
+    amx_linear_available,
+    linear_tiles,
+    linear_tiles_into_f32,
+    silu_mul_tiles,
+)
 from .linear_weight import LinearWeight
 from .native import load_library
 from .ops import apply_rope_, linear, rms_norm_
@@ -72,6 +77,13 @@ class HotOps:
         `sarazmq.kernels.ops.linear`: through the owner's prepacked oneDNN weight where it
         holds one, else its plain weight."""
         return linear(x, weight.weight, weight.bias, weight.packed)
+
+    def linear_into_f32(
+        self, x: torch.Tensor, weight: LinearWeight, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`linear` into float32 out [T, out] (what the LM head's logits go to): the same
+        values, widened; returns out. Backends may skip the intermediate."""
+        return out.copy_(self.linear(x, weight))
 
     def needs_plain(self, weight: LinearWeight) -> bool:
         """Whether some `linear` call of these ops would read the owner's plain weight
@@ -239,6 +251,19 @@ class NativeCpuOps(HotOps):
             if out is not None:
                 return out
         return super().linear(x, weight)
+
+    def linear_into_f32(
+        self, x: torch.Tensor, weight: LinearWeight, out: torch.Tensor
+    ) -> torch.Tensor:
+        """As `HotOps.linear_into_f32`; where `linear` would run the AMX tiles, they write
+        the widened outputs straight into out (the same bits, no bf16 copy to read back)."""
+        if (
+            weight.tiles is not None
+            and x.shape[0] > _gemv_max_rows(weight)
+            and linear_tiles_into_f32(x, weight.tiles, out)
+        ):
+            return out
+        return super().linear_into_f32(x, weight, out)
 
     def needs_plain(self, weight: LinearWeight) -> bool:
         """Also where rows within `GEMV_MAX_ROWS` would read it: a weight without a bias

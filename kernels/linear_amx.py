@@ -31,6 +31,9 @@ class _Kernels:
         self.matmul = lib.linear_amx_bf16
         self.matmul.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I]
         self.matmul.restype = _I
+        self.matmul_f32out = lib.linear_amx_bf16_f32out
+        self.matmul_f32out.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I]
+        self.matmul_f32out.restype = _I
         self.silu_mul = lib.linear_amx_silu_mul_bf16
         self.silu_mul.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I]
         self.silu_mul.restype = _I
@@ -111,6 +114,40 @@ def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> tor
         in_features,
     )
     return out if rc == 0 else None
+
+
+def linear_tiles_into_f32(x: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor) -> bool:
+    """`linear_tiles` into float32 out [M, out_features] (unit column stride, any row
+    stride): each output the bf16-rounded sum, widened (bitwise `linear_tiles` followed by
+    a copy into out). False where the kernel does not apply (nothing written)."""
+    k = _get()
+    if (
+        k is None
+        or x.dim() != 2
+        or out.dim() != 2
+        or x.dtype != torch.bfloat16
+        or out.dtype != torch.float32
+        or x.device.type != "cpu"
+        or out.device.type != "cpu"
+        or x.stride(1) != 1
+        or out.stride(1) != 1
+        or x.shape[0] < 1
+        or out.shape[0] != x.shape[0]
+        or tiles.numel() != out.shape[1] * x.shape[1]
+    ):
+        return False
+    (rows, in_features), n = x.shape, out.shape[1]
+    rc = k.matmul_f32out(
+        x.data_ptr(),
+        x.stride(0),
+        tiles.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        n,
+        in_features,
+    )
+    return rc == 0
 
 
 def silu_mul_tiles(x: torch.Tensor, tiles: torch.Tensor, inter: int) -> torch.Tensor | None:

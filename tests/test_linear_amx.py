@@ -15,6 +15,7 @@ from sarazmq.kernels.cpu_ops import TORCH_OPS, NativeCpuOps
 from sarazmq.kernels.linear_amx import (
     amx_linear_available,
     linear_tiles,
+    linear_tiles_into_f32,
     pack_tiles,
     silu_mul_tiles,
     tiles_cover,
@@ -108,6 +109,31 @@ def test_swiglu_op_fuses_only_where_the_matmul_runs_on_tiles() -> None:
     )
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [2, 17, 33, 100])
+def test_tiles_into_float32_bitwise_as_widened_bf16(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = LinearWeight(torch.randn(96, 64, generator=g).to(BF))
+    assert w.prepack(tiles=True) and w.tiles is not None
+    x = torch.randn(rows, 64, generator=g).to(BF)
+    wide = torch.full((rows, 100), float("nan"))  # a row stride past the 96 outputs
+    assert linear_tiles_into_f32(x, w.tiles, wide[:, :96])
+    assert torch.equal(wide[:, :96], linear_tiles(x, w.tiles, 96).float())
+    assert wide[:, 96:].isnan().all()  # nothing written past the outputs
+    native = NativeCpuOps()
+    for m in (1, rows):  # 1 row: the matrix-vector kernel, then the copy
+        out = torch.empty(m, 96)
+        assert native.linear_into_f32(x[:m], w, out) is out
+        assert torch.equal(out, native.linear(x[:m], w).float())
+        ref = TORCH_OPS.linear_into_f32(x[:m], w, torch.empty(m, 96))  # the copy
+        assert torch.equal(ref, TORCH_OPS.linear(x[:m], w).float())
+    # what it does not take: a bf16 destination, a column-strided one, wrong sizes
+    assert not linear_tiles_into_f32(x, w.tiles, torch.empty(rows, 96, dtype=BF))
+    assert not linear_tiles_into_f32(x, w.tiles, torch.empty(96, rows).t())
+    assert not linear_tiles_into_f32(x, w.tiles, torch.empty(rows, 64))
+    assert not linear_tiles_into_f32(x, w.tiles, torch.empty(rows + 1, 96))
+
+
 def test_what_the_kernel_does_not_take() -> None:
     assert not tiles_cover(torch.float32, CPU, 64, 64)
     assert not tiles_cover(BF, CPU, 48, 64)  # out not a multiple of 32
@@ -184,4 +210,13 @@ def test_bf16_model_on_tiles_close_to_unpacked() -> None:
     assert model.prepack_linear_weights()
     held = [w.variant_bytes() for _, w in model.matmul_weights()]
     assert all(v["tiles"] > 0 and v["packed"] == 0 for v in held)
-    torch.testing.assert_close(run(), plain, atol=0.05, rtol=0.05)
+    on_tiles = run()
+    torch.testing.assert_close(on_tiles, plain, atol=0.05, rtol=0.05)
+    # the reused float32 logits buffer gets the tile kernel's widened outputs directly:
+    # the same logits as through the bf16 intermediate
+    caches = allocate_kv_cache(cfg, 8, 4, BF, "cpu")
+    meta = AttentionMetadata.build([20], [20], [[3, 1, 7, 0, 5]], 4)
+    hidden = model(torch.arange(20), torch.arange(20), caches, meta)
+    buf = torch.full((20, cfg.vocab_size), float("nan"))
+    assert model.compute_logits(hidden, out=buf) is buf
+    assert torch.equal(buf, on_tiles)

@@ -93,6 +93,8 @@ int linear_amx_supported(void);
 int linear_amx_pack(const uint16_t *w, int N, int K, uint16_t *out);
 int linear_amx_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked, uint16_t *y,
                     long y_stride, int M, int N, int K);
+int linear_amx_bf16_f32out(const uint16_t *x, long x_stride, const uint16_t *wpacked, float *y,
+                           long y_stride, int M, int N, int K);
 int linear_amx_silu_mul_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked,
                              uint16_t *y, long y_stride, int M, int inter, int K);
 

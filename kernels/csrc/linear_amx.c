@@ -46,6 +46,11 @@ static void config_tiles(int rows0, int rows1) {
     amx_configure(rows);
 }
 
+/* What the kernel writes per output: bf16 (the rounded sum), the SwiGLU activation of a
+ * gate/up pair (bf16), or the rounded sum widened back to float32 (the LM head's logits,
+ * which sampling reads in float32: no separate bf16 -> float32 pass). */
+enum { OUT_BF16 = 0, OUT_SWIGLU = 1, OUT_F32 = 2 };
+
 /* 16 float32 sums of one row -> 16 bf16 outputs (to nearest even) */
 static inline void store_row_bf16(uint16_t *y, __m512 sums) {
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sums));
@@ -53,15 +58,15 @@ static inline void store_row_bf16(uint16_t *y, __m512 sums) {
 
 /* Two 16-column blocks of the product for rows m0 .. m0 + rows0 + rows1. Tiles 6 and 7
  * stream the blocks' packed weights: w6, w7 point at their first 1 KB tile, each next k
- * step's is 2 KB on (the layout's [K / 32][2 columns of 16] order). Plain (silu == 0):
- * the blocks are columns n0 .. n0 + 31 of y. SwiGLU (silu != 0): w6 is a gate block and
- * w7 the up block of the same columns, and y gets silu(gate) * up in its 16 columns
- * n0 .. n0 + 15, each product first rounded to bf16 as the plain output would be, so the
- * result is bitwise the plain matmul followed by silu_mul_bf16. pf6, pf7: where the
+ * step's is 2 KB on (the layout's [K / 32][2 columns of 16] order). OUT_BF16 and
+ * OUT_F32 (y then float *): the blocks are columns n0 .. n0 + 31 of y. OUT_SWIGLU: w6 is
+ * a gate block and w7 the up block of the same columns, and y gets silu(gate) * up in its
+ * 16 columns n0 .. n0 + 15, each product first rounded to bf16 as the plain output would
+ * be, so the result is bitwise the plain matmul followed by silu_mul_bf16. pf6, pf7: where the
  * weight prefetches of w6's and w7's streams start (NULL: none). */
 static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_t *w6,
-                                 const uint32_t *w7, int K, uint16_t *y, long y_stride,
-                                 int m0, int rows0, int rows1, int n0, int silu,
+                                 const uint32_t *w7, int K, void *y, long y_stride,
+                                 int m0, int rows0, int rows1, int n0, int mode,
                                  const char *pf6, const char *pf7, const char *prefetch_end) {
     __attribute__((aligned(64))) float acc[2][16 * 16];
     const int KB = K / 32;
@@ -91,7 +96,9 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
     for (int blk = 0; blk < 2; blk++) { /* row blocks */
         const int rows = blk == 0 ? rows0 : rows1;
         if (rows <= 0) break;
-        uint16_t *yb = y + (long)(m0 + 16 * blk) * y_stride + n0;
+        const long row0 = (long)(m0 + 16 * blk) * y_stride + n0; /* element offset */
+        uint16_t *yb = (uint16_t *)y + row0;
+        float *yf = (float *)y + row0;
         if (blk == 0) {
             _tile_stored(0, acc[0], 64);
             _tile_stored(1, acc[1], 64);
@@ -100,10 +107,14 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
             _tile_stored(3, acc[1], 64);
         }
         for (int r = 0; r < rows; r++) {
-            if (silu) {
+            if (mode == OUT_SWIGLU) {
                 const __m512 g = bf16x16_round(_mm512_load_ps(acc[0] + r * 16));
                 const __m512 u = bf16x16_round(_mm512_load_ps(acc[1] + r * 16));
                 store_row_bf16(yb + r * y_stride, silu_mul16_bf16(g, u));
+            } else if (mode == OUT_F32) {
+                _mm512_storeu_ps(yf + r * y_stride, bf16x16_round(_mm512_load_ps(acc[0] + r * 16)));
+                _mm512_storeu_ps(yf + r * y_stride + 16,
+                                 bf16x16_round(_mm512_load_ps(acc[1] + r * 16)));
             } else {
                 store_row_bf16(yb + r * y_stride, _mm512_load_ps(acc[0] + r * 16));
                 store_row_bf16(yb + r * y_stride + 16, _mm512_load_ps(acc[1] + r * 16));
@@ -114,10 +125,10 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
 
 /* The matmul over `units` units of output columns, each thread a contiguous range of
  * them (one stream through the weights), for all M rows in groups of 32. A unit is a
- * column pair (plain: columns 32 u .. 32 u + 31) or, with silu, a 16-column block of the
+ * column pair (columns 32 u .. 32 u + 31) or, for OUT_SWIGLU, a 16-column block of the
  * SwiGLU output (gate block u, up block `units` + u of the packed [2 * inter] weight). */
-static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, uint16_t *y,
-                      long y_stride, int M, int K, int units, int silu, const char *w_end) {
+static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, void *y,
+                      long y_stride, int M, int K, int units, int mode, const char *w_end) {
     const long pair_words = (long)(K / 32) * 512;
 #pragma omp parallel
     {
@@ -130,7 +141,7 @@ static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, uint
         int configured = -1; /* the rows of the tail group the tiles are configured for */
         for (int u = u_begin; u < u_end; u++) {
             const uint32_t *w6, *w7;
-            if (silu) { /* 16-column block j sits in pair j / 2, half j % 2 */
+            if (mode == OUT_SWIGLU) { /* 16-column block j sits in pair j / 2, half j % 2 */
                 const int g = u, up = units + u;
                 w6 = wp + (long)(g / 2) * pair_words + (g % 2) * 256;
                 w7 = wp + (long)(up / 2) * pair_words + (up % 2) * 256;
@@ -151,7 +162,7 @@ static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, uint
                  * PREFETCH_AHEAD bytes ahead of the tiles it multiplies */
                 const int first = m0 == 0;
                 column_blocks(x, x_stride, w6, w7, K, y, y_stride, m0, rows0, rows1,
-                              silu ? 16 * u : 32 * u, silu,
+                              mode == OUT_SWIGLU ? 16 * u : 32 * u, mode,
                               first ? (const char *)w6 + PREFETCH_AHEAD : NULL,
                               first ? (const char *)w7 + PREFETCH_AHEAD : NULL, w_end);
             }
@@ -198,7 +209,26 @@ int linear_amx_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked, u
     if (M < 1 || N < 32 || K < 32 || N % 32 != 0 || K % 32 != 0) return -1;
     if (!amx_tiles_granted()) return -1;
     const uint32_t *wp = (const uint32_t *)wpacked;
-    run_units(x, x_stride, wp, y, y_stride, M, K, N / 32, 0, (const char *)(wp + (long)N * K / 2));
+    run_units(x, x_stride, wp, y, y_stride, M, K, N / 32, OUT_BF16,
+              (const char *)(wp + (long)N * K / 2));
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)wpacked; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+/* As linear_amx_bf16, into y [M][N] float32 (row stride y_stride): each output the
+ * bf16-rounded sum widened back to float32, bitwise linear_amx_bf16 followed by a bf16 ->
+ * float32 copy. */
+int linear_amx_bf16_f32out(const uint16_t *x, long x_stride, const uint16_t *wpacked, float *y,
+                           long y_stride, int M, int N, int K) {
+#ifdef HAVE_LINEAR_AMX
+    if (M < 1 || N < 32 || K < 32 || N % 32 != 0 || K % 32 != 0) return -1;
+    if (!amx_tiles_granted()) return -1;
+    const uint32_t *wp = (const uint32_t *)wpacked;
+    run_units(x, x_stride, wp, y, y_stride, M, K, N / 32, OUT_F32,
+              (const char *)(wp + (long)N * K / 2));
     return 0;
 #else
     (void)x; (void)x_stride; (void)wpacked; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
@@ -217,7 +247,7 @@ int linear_amx_silu_mul_bf16(const uint16_t *x, long x_stride, const uint16_t *w
     if (M < 1 || inter < 16 || K < 32 || inter % 16 != 0 || K % 32 != 0) return -1;
     if (!amx_tiles_granted()) return -1;
     const uint32_t *wp = (const uint32_t *)wpacked;
-    run_units(x, x_stride, wp, y, y_stride, M, K, inter / 16, 1,
+    run_units(x, x_stride, wp, y, y_stride, M, K, inter / 16, OUT_SWIGLU,
               (const char *)(wp + (long)inter * K));
     return 0;
 #else

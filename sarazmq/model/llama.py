@@ -323,10 +323,10 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.lm_head is None:
             raise ValueError(f"pipeline stage {self.pp_rank} has no LM head (the last stage has)")
-        logits = self.attention.ops.linear(hidden, self.lm_head)  # [N, V]
+        ops = self.attention.ops
         if out is None:
-            return logits.float()
-        return out.copy_(logits)
+            return ops.linear(hidden, self.lm_head).float()  # [N, V]
+        return ops.linear_into_f32(hidden, self.lm_head, out)
 
     # ------------------------------------------------------------------ matmul weights
 
