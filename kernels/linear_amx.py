@@ -87,19 +87,23 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _rows_ok(x: torch.Tensor) -> bool:
+    # what every tile kernel takes as its rows: 2-d bf16 on the CPU, at least one row,
+    # unit column stride (any row stride)
+    return (
+        x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.stride(1) == 1
+        and x.shape[0] >= 1
+    )
+
+
 def linear_tiles(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor | None:
     """x [M, in] (bf16, unit column stride) @ the packed weight^T -> [M, out_features];
     None where the kernel does not apply (nothing computed)."""
     k = _get()
-    if (
-        k is None
-        or x.dim() != 2
-        or x.dtype != torch.bfloat16
-        or x.device.type != "cpu"
-        or x.stride(1) != 1
-        or x.shape[0] < 1
-        or tiles.numel() != out_features * x.shape[1]
-    ):
+    if k is None or not _rows_ok(x) or tiles.numel() != out_features * x.shape[1]:
         return None
     rows, in_features = x.shape
     out = torch.empty((rows, out_features), dtype=torch.bfloat16)
@@ -123,15 +127,11 @@ def linear_tiles_into_f32(x: torch.Tensor, tiles: torch.Tensor, out: torch.Tenso
     k = _get()
     if (
         k is None
-        or x.dim() != 2
+        or not _rows_ok(x)
         or out.dim() != 2
-        or x.dtype != torch.bfloat16
         or out.dtype != torch.float32
-        or x.device.type != "cpu"
         or out.device.type != "cpu"
-        or x.stride(1) != 1
         or out.stride(1) != 1
-        or x.shape[0] < 1
         or out.shape[0] != x.shape[0]
         or tiles.numel() != out.shape[1] * x.shape[1]
     ):
@@ -156,15 +156,7 @@ def silu_mul_tiles(x: torch.Tensor, tiles: torch.Tensor, inter: int) -> torch.Te
     followed by the C `silu_mul`, without the [M, 2 * inter] intermediate. None where the
     kernel does not apply (nothing computed)."""
     k = _get()
-    if (
-        k is None
-        or x.dim() != 2
-        or x.dtype != torch.bfloat16
-        or x.device.type != "cpu"
-        or x.stride(1) != 1
-        or x.shape[0] < 1
-        or tiles.numel() != 2 * inter * x.shape[1]
-    ):
+    if k is None or not _rows_ok(x) or tiles.numel() != 2 * inter * x.shape[1]:
         return None
     rows, in_features = x.shape
     out = torch.empty((rows, inter), dtype=torch.bfloat16)

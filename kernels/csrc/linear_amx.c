@@ -34,6 +34,11 @@
 
 #include "amx.h"
 
+/* What the kernel writes per output: bf16 (the rounded sum), the SwiGLU activation of a
+ * gate/up pair (bf16), or the rounded sum widened back to float32 (the LM head's logits,
+ * which sampling reads in float32: no separate bf16 -> float32 pass). */
+enum { OUT_BF16 = 0, OUT_SWIGLU = 1, OUT_F32 = 2 };
+
 #ifdef HAVE_AMX_TILES
 #define HAVE_LINEAR_AMX 1
 /* bytes of weights ahead of the tile being multiplied that each thread prefetches */
@@ -45,11 +50,6 @@ static void config_tiles(int rows0, int rows1) {
     const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
     amx_configure(rows);
 }
-
-/* What the kernel writes per output: bf16 (the rounded sum), the SwiGLU activation of a
- * gate/up pair (bf16), or the rounded sum widened back to float32 (the LM head's logits,
- * which sampling reads in float32: no separate bf16 -> float32 pass). */
-enum { OUT_BF16 = 0, OUT_SWIGLU = 1, OUT_F32 = 2 };
 
 /* 16 float32 sums of one row -> 16 bf16 outputs (to nearest even) */
 static inline void store_row_bf16(uint16_t *y, __m512 sums) {
@@ -200,22 +200,29 @@ int linear_amx_pack(const uint16_t *w, int N, int K, uint16_t *out) {
     return 0;
 }
 
+/* The plain matmul's checks and run, writing bf16 (OUT_BF16) or float32 (OUT_F32) y. */
+static int matmul_entry(const uint16_t *x, long x_stride, const uint16_t *wpacked, void *y,
+                        long y_stride, int M, int N, int K, int mode) {
+#ifdef HAVE_LINEAR_AMX
+    if (M < 1 || N < 32 || K < 32 || N % 32 != 0 || K % 32 != 0) return -1;
+    if (!amx_tiles_granted()) return -1;
+    const uint32_t *wp = (const uint32_t *)wpacked;
+    run_units(x, x_stride, wp, y, y_stride, M, K, N / 32, mode,
+              (const char *)(wp + (long)N * K / 2));
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)wpacked; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    (void)mode;
+    return -1;
+#endif
+}
+
 /* y [M][N] (row stride y_stride) = x [M][K] (row stride x_stride) w^T, w packed by
  * linear_amx_pack. Returns 0, or -1 where this build, process or these sizes are not
  * covered (nothing written). */
 int linear_amx_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked, uint16_t *y,
                     long y_stride, int M, int N, int K) {
-#ifdef HAVE_LINEAR_AMX
-    if (M < 1 || N < 32 || K < 32 || N % 32 != 0 || K % 32 != 0) return -1;
-    if (!amx_tiles_granted()) return -1;
-    const uint32_t *wp = (const uint32_t *)wpacked;
-    run_units(x, x_stride, wp, y, y_stride, M, K, N / 32, OUT_BF16,
-              (const char *)(wp + (long)N * K / 2));
-    return 0;
-#else
-    (void)x; (void)x_stride; (void)wpacked; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
-    return -1;
-#endif
+    return matmul_entry(x, x_stride, wpacked, y, y_stride, M, N, K, OUT_BF16);
 }
 
 /* As linear_amx_bf16, into y [M][N] float32 (row stride y_stride): each output the
@@ -223,17 +230,7 @@ int linear_amx_bf16(const uint16_t *x, long x_stride, const uint16_t *wpacked, u
  * float32 copy. */
 int linear_amx_bf16_f32out(const uint16_t *x, long x_stride, const uint16_t *wpacked, float *y,
                            long y_stride, int M, int N, int K) {
-#ifdef HAVE_LINEAR_AMX
-    if (M < 1 || N < 32 || K < 32 || N % 32 != 0 || K % 32 != 0) return -1;
-    if (!amx_tiles_granted()) return -1;
-    const uint32_t *wp = (const uint32_t *)wpacked;
-    run_units(x, x_stride, wp, y, y_stride, M, K, N / 32, OUT_F32,
-              (const char *)(wp + (long)N * K / 2));
-    return 0;
-#else
-    (void)x; (void)x_stride; (void)wpacked; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
-    return -1;
-#endif
+    return matmul_entry(x, x_stride, wpacked, y, y_stride, M, N, K, OUT_F32);
 }
 
 /* SwiGLU through the tiles: y [M][inter] (row stride y_stride) = silu(gate) * up, where
