@@ -169,25 +169,23 @@ signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 sock = zmq.Context().socket(zmq.PULL)
 sock.bind(sys.argv[1])
 print("waiting", flush=True)
-recv = recv_interruptible if sys.argv[2] == "interruptible" else (lambda s: s.recv())
-recv(sock)
+recv_interruptible(sock)
 """
 
 
-@pytest.mark.parametrize("how", ["interruptible", "blocking"])
-def test_sigterm_taken_by_another_thread_still_stops_a_waiting_process(
-    tmp_path: Path, how: str
-) -> None:
+def test_sigterm_taken_by_another_thread_still_stops_a_waiting_process(tmp_path: Path) -> None:
     # Workers and detokenizers wait for their next message with recv_interruptible: the
     # launcher's SIGTERM may land on a library thread, and a main thread parked in one
-    # blocking recv never runs the handler (the "blocking" case shows it hang).
+    # blocking recv never runs the handler. A plain recv hangs here nearly always, but not
+    # always (CI once saw it stop), so only the helper's side is asserted: replacing it
+    # with a plain recv makes this test time out and fail.
     import signal
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WAITER, f"ipc://{tmp_path}/w.ipc", how],
+        [sys.executable, "-c", _WAITER, f"ipc://{tmp_path}/w.ipc"],
         cwd=root,
         stdout=subprocess.PIPE,
         text=True,
@@ -196,13 +194,10 @@ def test_sigterm_taken_by_another_thread_still_stops_a_waiting_process(
         assert proc.stdout is not None and proc.stdout.readline().strip() == "waiting"
         proc.send_signal(signal.SIGTERM)
         try:
-            code = proc.wait(5)
+            code = proc.wait(10)
         except subprocess.TimeoutExpired:
             code = None
-        if how == "interruptible":
-            assert code == 0 and proc.stdout.read().strip() == "stopped"
-        else:
-            assert code is None  # still parked in recv: the bug the helper avoids
+        assert code == 0 and proc.stdout.read().strip() == "stopped"
     finally:
         proc.kill()
         proc.wait()
