@@ -17,7 +17,11 @@ from sarazmq.procs.sockets import pull_socket, push_socket
 from sarazmq.protocol.engine import SchedulerInbound
 from sarazmq.protocol.worker import Shutdown, StepResult
 from sarazmq.scheduler.build import build_scheduler
-from sarazmq.scheduler.service import SchedulerActions, SchedulerService
+from sarazmq.scheduler.service import (
+    SchedulerActions,
+    SchedulerService,
+    configure_scheduler_gc,
+)
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
@@ -35,6 +39,7 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     poller = zmq.Poller()
     poller.register(inbound, zmq.POLLIN)
     poller.register(results, zmq.POLLIN)
+    configure_scheduler_gc()
     ready(num_blocks=cfg.cache.num_blocks)
 
     def flush(acts: SchedulerActions) -> None:

@@ -10,7 +10,7 @@ Part 2 measures what the scheduler process spends per iteration besides the mode
 planning (policy + diff), encoding the plan, sending it to a worker and receiving the
 result over real ipc sockets (the worker is a stub thread that answers at once), and
 processing the result into per-detokenizer delta batches, at 64 and 256 running
-requests (goal: < 1 ms at 256).
+requests (goal: < 1 ms at 256), with the scheduler process's garbage-collector settings.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from sarazmq.protocol.engine import AddRequest, DeltaBatch
 from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import Scheduler
-from sarazmq.scheduler.service import SchedulerActions, SchedulerService
+from sarazmq.scheduler.service import (
+    SchedulerActions,
+    SchedulerService,
+    configure_scheduler_gc,
+)
 
 PROMPTS = [
     "Explain how a bicycle works.",
@@ -167,6 +171,8 @@ def main() -> None:
     ap.add_argument("--skip-e2e", action="store_true")
     args = ap.parse_args()
 
+    # as the scheduler process does at startup (part 1's deployment sets its own)
+    configure_scheduler_gc()
     print("scheduler overhead per iteration (median ms; decode-only iterations)")
     print(
         f"{'running':>8} {'plan':>8} {'enc+send+recv':>14} {'process+route':>14} {'total':>8} {'goal':>6}"

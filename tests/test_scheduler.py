@@ -617,3 +617,20 @@ def test_random_workloads_keep_invariants(
             assert got == out[: len(got)]
         else:
             assert (got, res.finish[rid]) == (out, reason)
+
+
+def test_scheduler_gc_settings_apply_to_the_process_that_asks() -> None:
+    # process-wide settings: checked in a fresh interpreter, not this test process
+    import subprocess
+    import sys
+
+    code = (
+        "import gc\n"
+        "from sarazmq.scheduler.service import SCHEDULER_GC_THRESHOLDS, configure_scheduler_gc\n"
+        "before = gc.get_threshold()\n"
+        "configure_scheduler_gc()\n"
+        "print(before != SCHEDULER_GC_THRESHOLDS, gc.get_threshold() == SCHEDULER_GC_THRESHOLDS,"
+        " gc.get_freeze_count() > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True"]

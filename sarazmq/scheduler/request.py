@@ -62,6 +62,7 @@ class Request:
         "block_keys",
         "num_keyed_blocks",
         "cache_parent",
+        "finish_token_ids",
     )
 
     def __init__(
@@ -73,6 +74,7 @@ class Request:
         seed: int,
         max_output_tokens: int,
         arrival_time: float,
+        finish_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.request_id = request_id
         self.seq_id = seq_id
@@ -83,6 +85,9 @@ class Request:
         self.seed = seed
         # params.max_tokens clamped to the model context and the KV pool
         self.max_output_tokens = max_output_tokens
+        # sampling one of these finishes it with "stop" (once min_tokens outputs exist):
+        # its stop ids and the model's EOS ids (`results.finish_token_ids`)
+        self.finish_token_ids = finish_token_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_prefill_tokens = 0

@@ -36,11 +36,8 @@ from sarazmq.config import SchedulerConfig
 from sarazmq.perf.shape import IterationShape
 from sarazmq.protocol.common import (
     FINISH_ABORT,
-    FINISH_LENGTH,
     FINISH_STOP,
     FinishReason,
-    MaybeFinishReason,
-    TokenLogprobs,
 )
 from sarazmq.protocol.engine import RequestDelta
 from sarazmq.protocol.worker import BatchPlan, StepResult
@@ -56,6 +53,7 @@ from sarazmq.scheduler.plan_check import check_result
 from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
 from sarazmq.scheduler.prefix_cache import BlockHashFn, PrefixCacheCounters, sha256_block_key
 from sarazmq.scheduler.request import Request, RequestStatus
+from sarazmq.scheduler.results import apply_result, finish_token_ids, request_delta
 from sarazmq.scheduler.stats import (
     MAX_ITERATION_RECORDS,
     IterationRecord,
@@ -169,6 +167,9 @@ class Scheduler:
             seed=seed,
             max_output_tokens=max_out,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
+            finish_token_ids=finish_token_ids(
+                params.stop_token_ids, params.ignore_eos, self.eos_token_ids
+            ),
         )
         self._next_seq_id += 1
         self._requests[request_id] = req
@@ -181,7 +182,7 @@ class Scheduler:
         if req is None:
             return False
         self._finish(req, FINISH_ABORT)
-        self._pending_deltas.append(self._delta(req, [], [], []))
+        self._pending_deltas.append(request_delta(req, [], [], []))
         return True
 
     def finish_by_stop_string(self, request_id: str) -> None:
@@ -366,50 +367,22 @@ class Scheduler:
         sampled = check_result(plan, result)
 
         now = self.clock()
-        deltas = self._pending_deltas
-        self._pending_deltas = []
-        num_prefill_tokens = num_decode_tokens = num_prefill_seqs = num_decode_seqs = 0
-        finished_any = False
-        # this loop runs once per scheduled request per iteration (bench_ipc.py: 256
-        # running): the lookups it repeats are bound once here
-        reqs, token_ids, result_logprobs = entry.reqs, result.token_ids, result.logprobs
-        calibration = self._calibration_seq_ids
-        cache_full_blocks, check_finish = self.blocks.cache_full_blocks, self._check_finish
-        for s in plan.scheduled:
-            req = reqs[s.seq_id]
-            if req.is_prefill:
-                num_prefill_tokens += s.num_tokens
-                num_prefill_seqs += 1
-            else:
-                num_decode_tokens += s.num_tokens
-                num_decode_seqs += 1
-            if req.is_finished:
-                continue  # aborted / stopped while the step ran
-            req.num_computed_tokens += s.num_tokens
-            cache_full_blocks(req)  # its KV is written now: reusable
-            if not s.sample:
-                continue
-            i = sampled[s.seq_id]
-            token = token_ids[i]
-            req.output_token_ids.append(token)
-            req.token_times.append(now)
-            # nobody listens to a calibration request (asked before _finish forgets it)
-            internal = bool(calibration) and s.seq_id in calibration
-            reason = check_finish(req, token)
-            if reason:
-                self._finish(req, reason, remove_from_running=False)
-                finished_any = True
-            if internal:
-                continue
-            lps: list[TokenLogprobs | None] = [result_logprobs[i]] if result_logprobs else []
-            deltas.append(self._delta(req, [token], [now], lps))
-        if finished_any:
+        applied = apply_result(
+            entry,
+            result,
+            sampled,
+            now,
+            self.blocks,
+            self._calibration_seq_ids,
+            lambda req, reason: self._finish(req, reason, remove_from_running=False),
+        )
+        deltas, self._pending_deltas = self._pending_deltas + applied.deltas, []
+        if applied.finished_any:
             self.running[:] = [r for r in self.running if not r.is_finished]
 
         self._inflight.pop()
         self._num_iterations += 1
-        counts = (num_prefill_tokens, num_decode_tokens, num_prefill_seqs, num_decode_seqs)
-        record = entry.record(result, now, counts)
+        record = entry.record(result, now, applied.token_counts)
         self.iteration_records.append(record)
         self._pipeline.result_in(record, now, idle=not self._inflight)
         if self.budget is not None:
@@ -437,18 +410,6 @@ class Scheduler:
                 self._pending_freed.append(req.seq_id)
                 req.on_worker = False
 
-    def _check_finish(self, req: Request, token: int) -> MaybeFinishReason:
-        p = req.params
-        n_out = req.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return FINISH_STOP
-            if token in p.stop_token_ids:
-                return FINISH_STOP
-        if n_out >= req.max_output_tokens:
-            return FINISH_LENGTH
-        return ""
-
     def _finish(self, req: Request, reason: FinishReason, remove_from_running: bool = True) -> None:
         if req.status is RequestStatus.RUNNING:
             if remove_from_running:
@@ -466,23 +427,3 @@ class Scheduler:
             self._calibration_seq_ids.discard(req.seq_id)
             return
         self._num_finished += 1
-
-    def _delta(
-        self,
-        req: Request,
-        tokens: list[int],
-        times: list[float],
-        logprobs: list[TokenLogprobs | None],
-    ) -> RequestDelta:
-        # positional (the struct's field order): one per request per iteration
-        return RequestDelta(
-            req.request_id,
-            tokens,
-            req.finish_reason,
-            len(req.prompt_token_ids),
-            req.arrival_time,
-            req.first_scheduled_time,
-            times,
-            req.num_preemptions,
-            logprobs,
-        )
