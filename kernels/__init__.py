@@ -28,6 +28,7 @@ def select_attention_backend(
     device: torch.device,
     block_size: int,
     dtype: torch.dtype | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """Returns an attention backend instance.
 
@@ -37,6 +38,8 @@ def select_attention_backend(
     "torch" -> TorchPagedAttention. "cpu" -> CpuPagedAttention (ValueError off CPU or
     when the kernel cannot be built). "flash_attn" -> FlashAttnPagedAttention, raising
     ValueError (not CUDA, bad block size) or ImportError (package missing) when unusable.
+    kv_cache_dtype "int8" (`sarazmq.kernels.kv_int8`): never flash_attn (ValueError if
+    asked for), whose kernels read fp16/bf16 caches.
     """
     device = torch.device(device)
     if name == "torch":
@@ -51,12 +54,18 @@ def select_attention_backend(
             )
         return CpuPagedAttention()
     if name == "flash_attn":
+        if kv_cache_dtype == "int8":
+            raise ValueError(
+                "the flash_attn attention backend reads fp16/bf16 KV caches, not int8; "
+                "use --attention-backend torch"
+            )
         if device.type != "cuda":
             raise ValueError(f"flash_attn attention backend needs a CUDA device, got {device}")
         return FlashAttnPagedAttention(block_size)
     if name == "auto":
         if (
             device.type == "cuda"
+            and kv_cache_dtype != "int8"
             and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
             and (dtype is None or dtype in (torch.float16, torch.bfloat16))
             and flash_attn_available()

@@ -33,6 +33,7 @@ from .cpu_attention_kernels import (
 )
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
 from .decode_step import DecodeLayerWeights, FusedDecodeStep
+from .kv_int8 import is_int8_cache, paged_decode_attention_int8, write_kv_int8_native
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag
 from .torch_attention import _DECODE_GROUP_BYTES, TorchPagedAttention
@@ -80,8 +81,8 @@ class CpuPagedAttention(TorchPagedAttention):
         `sarazmq.kernels.decode_step`), running the kernels this backend and its `ops` run
         per op; None where it cannot be built (no native kernels, a tensor that does not
         fit)."""
-        if not isinstance(self.ops, NativeCpuOps):
-            return None
+        if not isinstance(self.ops, NativeCpuOps) or any(is_int8_cache(k) for k, _ in kv_caches):
+            return None  # the fused step reads caches of the model's dtype
         try:
             return FusedDecodeStep(
                 layers,
@@ -104,7 +105,11 @@ class CpuPagedAttention(TorchPagedAttention):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        if not write_kv_cache_native(k, v, k_cache, v_cache, slot_mapping):
+        if is_int8_cache(k_cache):
+            written = write_kv_int8_native(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            written = write_kv_cache_native(k, v, k_cache, v_cache, slot_mapping)
+        if not written:
             super()._write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def _prefill_into(
@@ -122,6 +127,13 @@ class CpuPagedAttention(TorchPagedAttention):
             return False
         bs = k_cache.shape[1]
         table = meta.block_tables[i, : -(-k_len // bs)]
+        if is_int8_cache(k_cache):
+            # the sequence's blocks dequantized, in order: the kernel reads them as a
+            # cache of their own (blocks 0 .. n-1)
+            blocks = table.to(torch.long)
+            k_cache = self._gather("k", k_cache, blocks, q.dtype)
+            v_cache = self._gather("v", v_cache, blocks, q.dtype)
+            table = torch.arange(blocks.numel(), dtype=torch.int32)
         # scratch rows are cache-block rows; enough of them for the packed K/V
         row = k_cache[0].numel()
         scratch = self._scratch_rows(
@@ -209,9 +221,8 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> torch.Tensor:
         nd = q.shape[0]
-        out = paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_k[:nd], scale
-        )
+        decode = paged_decode_attention_int8 if is_int8_cache(k_cache) else paged_decode_attention
+        out = decode(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_k[:nd], scale)
         if out is None:
             return super()._decodes(q, k_cache, v_cache, meta, scale)
         return out

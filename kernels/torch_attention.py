@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_ops import TORCH_OPS, HotOps
+from .kv_int8 import dequantize_kv_rows, is_int8_cache, quantize_kv_rows
 from .metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -32,10 +33,13 @@ def write_kv_cache(
 
     Caches are [num_blocks, block_size, Hkv, D]; slot s is row s of the cache viewed as
     [num_blocks * block_size, Hkv, D] (block s // block_size, offset s % block_size).
+    int8 caches ([..., D + 4], `sarazmq.kernels.kv_int8`) get the quantized rows.
     """
     if k.shape[0] == 0:
         return
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
+    if is_int8_cache(k_cache):
+        k, v = quantize_kv_rows(k), quantize_kv_rows(v)
     # view (not reshape): the write must land in the cache storage itself
     k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -110,11 +114,15 @@ class TorchPagedAttention:
             self._scratch[which] = buf
         return buf[: n * row].view(n, row)
 
-    def _gather(self, which: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """`_gather_blocks` into the reusable buffer `which` ("k" or "v")."""
+    def _gather(
+        self, which: str, cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`_gather_blocks` into the reusable buffer `which` ("k" or "v"); an int8 cache's
+        rows dequantized into `dtype` (a new tensor)."""
         out = self._scratch_rows(which, cache, blocks.numel())
         torch.index_select(cache.flatten(1), 0, blocks, out=out)
-        return out.view(out.shape[0], *cache.shape[1:])  # [n, block_size, Hkv, D]
+        gathered = out.view(out.shape[0], *cache.shape[1:])  # [n, block_size, Hkv, D]
+        return dequantize_kv_rows(gathered, dtype) if is_int8_cache(cache) else gathered
 
     def _write_kv(
         self,
@@ -157,8 +165,9 @@ class TorchPagedAttention:
                 start = end
                 continue
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if k_len == q_len:
-                # no earlier context: this chunk's own k/v are the whole sequence
+            if k_len == q_len and not is_int8_cache(k_cache):
+                # no earlier context: this chunk's own k/v are the whole sequence (an int8
+                # cache's chunk reads its quantized k/v back, as every other step does)
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, k_len, D]
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
                 oi = F.scaled_dot_product_attention(
@@ -221,8 +230,8 @@ class TorchPagedAttention:
         """
         k_len = meta.k_lens[i]
         blocks, mask = self._chunk_index(meta, i, k_cache.shape[1], qi.dtype)
-        ki = self._gather("k", k_cache, blocks).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
-        vi = self._gather("v", v_cache, blocks).flatten(0, 1)[:k_len]
+        ki = self._gather("k", k_cache, blocks, qi.dtype).flatten(0, 1)[:k_len]  # [k_len, Hkv, D]
+        vi = self._gather("v", v_cache, blocks, qi.dtype).flatten(0, 1)[:k_len]
         return F.scaled_dot_product_attention(
             qi,
             ki.transpose(0, 1).unsqueeze(0),  # [1, Hkv, k_len, D]
@@ -266,8 +275,8 @@ class TorchPagedAttention:
         for s in range(0, nd, group):
             e = min(nd, s + group)
             sel = blocks[s * nblk : e * nblk]
-            kd = self._gather("k", k_cache, sel).view(e - s, -1, hkv, d)[:, :max_k]
-            vd = self._gather("v", v_cache, sel).view(e - s, -1, hkv, d)[:, :max_k]
+            kd = self._gather("k", k_cache, sel, q.dtype).view(e - s, -1, hkv, d)[:, :max_k]
+            vd = self._gather("v", v_cache, sel, q.dtype).view(e - s, -1, hkv, d)[:, :max_k]
             # the h // hkv query heads of one KV head become that head's query rows
             og = F.scaled_dot_product_attention(
                 q[s:e].view(e - s, hkv, h // hkv, d),  # [n, Hkv, G, D]

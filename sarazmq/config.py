@@ -13,6 +13,8 @@ from typing import Any
 POLICIES = ("sarathi", "vllm", "orca", "fastertransformer", "simple_chunking")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
+# "auto": the model's dtype; "int8": rows of int8 values and a scale (sarazmq.kernels.kv_int8)
+KV_CACHE_DTYPES = ("auto", "int8")
 RESTART_POLICIES = ("no", "on-failure")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: Seconds a client with requests in flight may leave heartbeats unanswered before the
@@ -65,6 +67,8 @@ class CacheConfig:
 
     enable_prefix_caching: reuse the KV of shared prompt prefixes, whole blocks at a time
     (docs/PREFIX_CACHING.md); greedy outputs are the same either way.
+    kv_cache_dtype: "auto" (the model's dtype) or "int8" (half the bytes of bf16 per
+    token, ~7 bits of precision per row; `sarazmq.kernels.kv_int8`).
     """
 
     block_size: int = 16
@@ -72,6 +76,13 @@ class CacheConfig:
     # fraction of available memory used for the KV pool when num_blocks == 0
     memory_fraction: float = 0.25
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}"
+            )
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
+        if self.cache.kv_cache_dtype == "int8" and self.attention_backend == "flash_attn":
+            raise ValueError(
+                "kv_cache_dtype='int8' is not supported by the flash_attn attention backend "
+                "(its kernels read fp16/bf16 caches); use --attention-backend torch or cpu"
+            )
         if self.pipeline_parallel_size > 1 and self.scheduler.tbt_slo:
             # the adaptive budget models a whole iteration's time from its plan's start to
             # its result; with micro-batches in flight that span includes queueing behind
@@ -191,6 +207,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         tbt_slo: float = 0.0,
         latency_profile: str = "",
+        kv_cache_dtype: str = "auto",
     ) -> EngineConfig:
         """The config from flat options: the one construction behind `LLM(...)` and every
         command's engine options (`scheduler` names the policy)."""
@@ -218,6 +235,7 @@ class EngineConfig:
                 block_size=block_size,
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
         )
 

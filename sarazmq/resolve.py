@@ -93,7 +93,12 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
         # the first pipeline stage holds the most layers (see stage_layers)
         stage_layer_count = len(stage_layers(model_config.num_layers, pp, 0))
         per_block = kv_cache_bytes_per_block(
-            model_config, block_size, getattr(torch, dtype), tp, stage_layer_count
+            model_config,
+            block_size,
+            getattr(torch, dtype),
+            tp,
+            stage_layer_count,
+            kv_cache_dtype=cache.kv_cache_dtype,
         )
         budget = available_memory_bytes(device) * cache.memory_fraction
         # every rank holds 1/tp of each block of its stage's layers; budget is per device

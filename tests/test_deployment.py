@@ -40,8 +40,10 @@ def small_config(**kw: object) -> EngineConfig:
     # float32: outputs are compared with the in-process engine's, batched differently, and
     # bf16 roundings follow how a batch is composed
     kw.setdefault("dtype", "float32")
+    kv_cache_dtype = str(kw.pop("kv_cache_dtype", "auto"))
     sched = SchedulerConfig(policy="sarathi", chunk_size=64, max_num_seqs=32, max_model_len=1024)
-    return EngineConfig(scheduler=sched, cache=CacheConfig(block_size=16, num_blocks=1024), **kw)
+    cache = CacheConfig(block_size=16, num_blocks=1024, kv_cache_dtype=kv_cache_dtype)
+    return EngineConfig(scheduler=sched, cache=cache, **kw)
 
 
 def small_llm(**kw: object) -> LLM:
@@ -219,6 +221,15 @@ def test_deployment_honours_the_engine_seed() -> None:
         other = [c.generate(p, sampled).token_ids for p in prompts]
     assert got == expected
     assert other != expected  # the seed is what made them equal
+
+
+def test_int8_kv_cache_deployment_gives_the_in_process_int8_outputs() -> None:
+    # the cache dtype crosses into the worker process: the same tokens as in process
+    expected = [o.token_ids for o in small_llm(kv_cache_dtype="int8").generate(PROMPTS[:4], GREEDY)]
+    with Deployment(small_config(kv_cache_dtype="int8")) as dep, Client(dep.endpoint) as c:
+        assert dep.config.cache.kv_cache_dtype == "int8"
+        got = [c.generate(p, GREEDY).token_ids for p in PROMPTS[:4]]
+    assert got == expected
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sarazmq import LLM, SamplingParams
 from sarazmq.config import SchedulerConfig
@@ -168,3 +169,22 @@ def test_the_resolved_config_names_a_concrete_dtype() -> None:
     assert EngineConfig().dtype == "auto"
     resolved, _ = resolve_engine_config(EngineConfig())
     assert resolved.dtype == ("bfloat16" if native_bf16(resolved.device) else "float32")
+
+
+def test_int8_kv_cache_keeps_the_greedy_outputs_nearly_unchanged(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    int8 = LLM(
+        chunk_size=32,
+        max_num_seqs=16,
+        max_model_len=512,
+        num_kv_blocks=256,
+        dtype="float32",
+        kv_cache_dtype="int8",
+    )
+    k_cache, _ = int8.engine.runner.kv_caches[0]
+    assert k_cache.dtype == torch.int8  # rows of int8 values and their scale
+    outs = int8.generate(PROMPTS, greedy)
+    base = llm.generate(PROMPTS, greedy)
+    # ~7 bits per cached value: the first tokens of (nearly) every prompt are the same
+    same = sum(o.token_ids[:4] == b.token_ids[:4] for o, b in zip(outs, base, strict=True))
+    assert same >= len(PROMPTS) - 1, [(o.token_ids, b.token_ids) for o, b in zip(outs, base)]

@@ -170,6 +170,39 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
         }
     }
 }
+/* int8 cache rows: 16 int8 widened to float32; a row's scale is the float32 after its D
+ * values. */
+static inline __m512 load16_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __attribute__((always_inline)) float i8_row_scale(const int ND, const int8_t *r) {
+    float s;
+    memcpy(&s, r + 16 * ND, sizeof s);
+    return s;
+}
+static inline __attribute__((always_inline)) __m512 i8_kdot(const int ND, const __m512 *qv,
+                                                            const int8_t *kr) {
+    __m512 d = _mm512_mul_ps(qv[0], load16_i8(kr));
+    for (int j = 1; j < ND; j++) d = _mm512_fmadd_ps(qv[j], load16_i8(kr + 16 * j), d);
+    return _mm512_mul_ps(d, _mm512_set1_ps(i8_row_scale(ND, kr)));
+}
+static inline __attribute__((always_inline)) void i8_vload(const int ND, __m512 *vv,
+                                                           const int8_t *vr) {
+    const __m512 s = _mm512_set1_ps(i8_row_scale(ND, vr));
+    for (int j = 0; j < ND; j++) vv[j] = _mm512_mul_ps(load16_i8(vr + 16 * j), s);
+}
+/* bf16 output of accumulators that hold the dims in order (not bf16_vload's order) */
+static inline __attribute__((always_inline)) void bf16_store_out_in_order(const int ND,
+                                                                          uint16_t *o,
+                                                                          const __m512 *acc,
+                                                                          float inv) {
+    __attribute__((aligned(64))) float tmp[16];
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int j = 0; j < ND; j++) {
+        _mm512_store_ps(tmp, _mm512_mul_ps(acc[j], iv));
+        for (int i = 0; i < 16; i++) o[16 * j + i] = narrow_bf16(tmp[i]);
+    }
+}
 
 /* One work item: KV heads [h0, h1) of sequence n, each with its G query heads, over the
  * sequence's keys in runs of up to 16 keys inside one block. Per run: the partial dot
@@ -182,15 +215,16 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
  * one head per item with the whole item requested up front (docs/KERNELS.md, "CPU
  * attention"). ND = D / 16 and G are compile-time constants at the call
  * sites (always_inline). */
-#define DEFINE_ITEM_AVX512(NAME, T, Q_T, QLOAD, KDOT, VLOAD, STORE_OUT)                         \
+#define DEFINE_ITEM_AVX512(NAME, T, KT, RX, Q_T, QLOAD, KDOT, VLOAD, STORE_OUT)                \
     static inline __attribute__((always_inline)) void NAME(                                    \
-        const int ND, const int G, const T *q, long q_stride, const T *k_cache,                \
-        const T *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,       \
+        const int ND, const int G, const T *q, long q_stride, const KT *k_cache,               \
+        const KT *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,      \
         T *out, int n, int h0, int h1, int H, int Hkv, int block_size, float scale, int k0,    \
         int k1, float *split_out) {                                                            \
         const int D = ND * 16, nq = (h1 - h0) * G; /* query heads, c = (h - h0) * G + g */     \
+        const int RD = D + (RX); /* a cache row: D elements (+ the int8 rows' scale) */        \
         (void)lens; /* the keys are k0 .. k1 - 1 */                                            \
-        const long tok_stride = (long)Hkv * D;                                                 \
+        const long tok_stride = (long)Hkv * RD;                                                \
         const long block_elems = (long)block_size * tok_stride;                                \
         Q_T qv[MAX_ITEM_QHEADS][MAX_D / 16];                                                   \
         __m512 acc[MAX_ITEM_QHEADS][MAX_D / 16];                                               \
@@ -211,9 +245,9 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
             const int off = start % block_size, blk = start / block_size;                      \
             nt = len - start < 16 ? len - start : 16;                                          \
             if (nt > block_size - off) nt = block_size - off;                                  \
-            const T *kb = k_cache + (long)table[blk] * block_elems + (long)off * tok_stride +  \
-                          (long)h0 * D;                                                        \
-            const T *vb = v_cache + (kb - k_cache);                                            \
+            const KT *kb = k_cache + (long)table[blk] * block_elems + (long)off * tok_stride + \
+                           (long)h0 * RD;                                                      \
+            const KT *vb = v_cache + (kb - k_cache);                                           \
             /* The next block's rows at this run's offsets are requested one (row, head) \
              * at a time between the dot products and the V updates below: spread out,    \
              * the requests overlap the math; a block's worth at once stalls it (much     \
@@ -221,17 +255,17 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
             const int next_rows = (blk + 1) * block_size < len                                 \
                                       ? len - (blk + 1) * block_size - off : 0;                \
             const long next = next_rows > 0 ? (long)table[blk + 1] * block_elems +             \
-                                                  (long)off * tok_stride + (long)h0 * D        \
+                                                  (long)off * tok_stride + (long)h0 * RD       \
                                             : 0;                                               \
             const __mmask16 live = (__mmask16)((1u << nt) - 1u);                               \
             for (int t = 0; t < 16; t++)                                                       \
                 for (int i = 0; i < h1 - h0; i++) {                                            \
                     if (t < nt && t < next_rows)                                               \
-                        prefetch_row((const char *)(k_cache + next + t * tok_stride + i * D),  \
-                                     D * (int)sizeof(T));                                      \
+                        prefetch_row((const char *)(k_cache + next + t * tok_stride + i * RD), \
+                                     RD * (int)sizeof(KT));                                    \
                     for (int g = 0; g < G; g++)                                                \
                         part[i * G + g][t] = t < nt ? KDOT(ND, qv[i * G + g],                  \
-                                                           kb + t * tok_stride + i * D)        \
+                                                           kb + t * tok_stride + i * RD)       \
                                                     : _mm512_setzero_ps();                     \
                 }                                                                              \
             for (int i = 0; i < h1 - h0; i++) {                                                \
@@ -257,10 +291,10 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
                     for (int j = 0; j < ND; j++) a[g][j] = acc[i * G + g][j];                  \
                 for (int t = 0; t < nt; t++) {                                                 \
                     if (t < next_rows)                                                         \
-                        prefetch_row((const char *)(v_cache + next + t * tok_stride + i * D),  \
-                                     D * (int)sizeof(T));                                      \
+                        prefetch_row((const char *)(v_cache + next + t * tok_stride + i * RD), \
+                                     RD * (int)sizeof(KT));                                    \
                     __m512 vv[MAX_D / 16];                                                     \
-                    VLOAD(ND, vv, vb + t * tok_stride + i * D);                                \
+                    VLOAD(ND, vv, vb + t * tok_stride + i * RD);                               \
                     for (int g = 0; g < G; g++) {                                              \
                         const __m512 pb = _mm512_set1_ps(p[g][t]);                             \
                         for (int j = 0; j < ND; j++) a[g][j] = _mm512_fmadd_ps(pb, vv[j], a[g][j]); \
@@ -283,10 +317,16 @@ static inline __attribute__((always_inline)) void bf16_store_out(const int ND, u
             STORE_OUT(ND, out + ((long)n * H + h0 * G + c) * D, acc[c], 1.0f / l[c]);          \
     }
 
-DEFINE_ITEM_AVX512(item_avx512_f32, float, __m512, F32_QLOAD, f32_kdot, f32_vload,
+DEFINE_ITEM_AVX512(item_avx512_f32, float, float, 0, __m512, F32_QLOAD, f32_kdot, f32_vload,
                    f32_store_out)
-DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, bf16_q_t, BF16_QLOAD, bf16_kdot,
+DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, uint16_t, 0, bf16_q_t, BF16_QLOAD, bf16_kdot,
                    bf16_vload, bf16_store_out)
+/* int8 cache rows (kernels/kv_int8.py): D int8 values then their float32 scale; bf16
+ * queries widened to float32. The key's scale multiplies its 16 partial products, the
+ * value's its widened row; the accumulators keep the dims in order. */
+#define I8_QLOAD(qv, qr, ND) FMA_QLOAD(load16_bf16, qv, qr, ND)
+DEFINE_ITEM_AVX512(item_avx512_i8, uint16_t, int8_t, 4, __m512, I8_QLOAD, i8_kdot, i8_vload,
+                   bf16_store_out_in_order)
 /* Merges the S key splits of one item (parts: S consecutive blocks of nq rows of D + 2
  * floats: the accumulators as the item keeps them, then m and l) into its nq output rows:
  * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest m_s. Splits
@@ -317,6 +357,7 @@ DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, bf16_q_t, BF16_QLOAD, bf16_kdot,
     }
 DEFINE_COMBINE(combine_split_f32, float, f32_store_out)
 DEFINE_COMBINE(combine_split_bf16, uint16_t, bf16_store_out)
+DEFINE_COMBINE(combine_split_i8, uint16_t, bf16_store_out_in_order)
 #define HAVE_AVX512_ITEM 1
 #endif
 
@@ -438,17 +479,18 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
              H, Hkv, block_size, scale, k0, k1, split_out);                                         \
         return 1;                                                                              \
     }
-#define DEFINE_AVX_DISPATCH(NAME, T, ITEM)                                                     \
-    static int NAME(int D, int G, const T *q, long q_stride, const T *k_cache,                 \
-                    const T *v_cache, const int32_t *tables, long table_stride,                \
+#define DEFINE_AVX_DISPATCH(NAME, T, KT, ITEM)                                                 \
+    static int NAME(int D, int G, const T *q, long q_stride, const KT *k_cache,                \
+                    const KT *v_cache, const int32_t *tables, long table_stride,               \
                     const int32_t *lens, T *out, int n, int h0, int h1, int H, int Hkv,        \
                     int block_size, float scale, int k0, int k1, float *split_out) {           \
         if (D == 64) { ITEM_SWITCH(ITEM, 4) }                                                  \
         if (D == 128) { ITEM_SWITCH(ITEM, 8) }                                                 \
         return 0;                                                                              \
     }
-DEFINE_AVX_DISPATCH(avx_item_f32, float, item_avx512_f32)
-DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, item_avx512_bf16)
+DEFINE_AVX_DISPATCH(avx_item_f32, float, float, item_avx512_f32)
+DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, uint16_t, item_avx512_bf16)
+DEFINE_AVX_DISPATCH(avx_item_i8, uint16_t, int8_t, item_avx512_i8)
 
 /* Decode attention for fewer sequences than it takes to keep the threads busy (nd < 4):
  * items are still a sequence's KV heads together (whole cache rows, read in memory order),
@@ -457,8 +499,8 @@ DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, item_avx512_bf16)
  * alternative, read a third of each row and leave threads idle (3 heads on 2 threads),
  * much slower at one sequence (docs/KERNELS.md, "CPU attention"). Returns 1 when done; 0 for head sizes without an AVX-512
  * copy, one split, or no memory for the partial results (the caller's path then runs). */
-#define DEFINE_SPLIT_DECODE(NAME, T, ITEM, COMBINE)                                            \
-    static int NAME(const T *q, long q_stride, const T *k_cache, const T *v_cache,             \
+#define DEFINE_SPLIT_DECODE(NAME, T, KT, ITEM, COMBINE)                                        \
+    static int NAME(const T *q, long q_stride, const KT *k_cache, const KT *v_cache,           \
                     const int32_t *tables, long table_stride, const int32_t *lens, T *out,     \
                     int nd, int H, int Hkv, int D, int block_size, float scale) {              \
         if (D != 64 && D != 128) return 0;                                                     \
@@ -493,8 +535,38 @@ DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, item_avx512_bf16)
         free(parts);                                                                           \
         return 1;                                                                              \
     }
-DEFINE_SPLIT_DECODE(split_decode_f32, float, avx_item_f32, combine_split_f32)
-DEFINE_SPLIT_DECODE(split_decode_bf16, uint16_t, avx_item_bf16, combine_split_bf16)
+DEFINE_SPLIT_DECODE(split_decode_f32, float, float, avx_item_f32, combine_split_f32)
+DEFINE_SPLIT_DECODE(split_decode_bf16, uint16_t, uint16_t, avx_item_bf16, combine_split_bf16)
+DEFINE_SPLIT_DECODE(split_decode_i8, uint16_t, int8_t, avx_item_i8, combine_split_i8)
+
+/* Decode attention over an int8 cache (kernels/kv_int8.py: rows of D int8 values and
+ * their float32 scale) for bf16 queries and output; the AVX-512 path only (head sizes 64
+ * and 128). Returns as the other decode entries: 0, -1 (not covered: the caller takes the
+ * torch path over dequantized blocks), -2 (a length or block id outside the cache). */
+int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_t *k_cache,
+                                   const int8_t *v_cache, const int32_t *tables,
+                                   long table_stride, const int32_t *lens, uint16_t *out,
+                                   int nd, int H, int Hkv, int D, int block_size, float scale,
+                                   long num_blocks) {
+    if (D != 64 && D != 128) return -1;
+    const int rc =
+        decode_attention_check(tables, table_stride, lens, nd, H, Hkv, D, block_size, num_blocks);
+    if (rc != 0) return rc;
+    if (nd < 4 && split_decode_i8(q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,
+                                  nd, H, Hkv, D, block_size, scale))
+        return 0;
+    const int G = H / Hkv, fit = MAX_ITEM_QHEADS / G;
+    const int per_item = nd >= 4 ? (Hkv < fit ? Hkv : fit) : 1;
+    const int groups = (Hkv + per_item - 1) / per_item;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (long item = 0; item < (long)nd * groups; item++) {
+        const int n = (int)(item / groups), h0 = (int)(item % groups) * per_item;
+        const int h1 = h0 + per_item < Hkv ? h0 + per_item : Hkv;
+        avx_item_i8(D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0,
+                    h1, H, Hkv, block_size, scale, 0, lens[n], NULL);
+    }
+    return 0;
+}
 #define ITEM_F32 avx_item_f32
 #define ITEM_BF16 avx_item_bf16
 #define SPLIT_F32 split_decode_f32
@@ -504,6 +576,16 @@ DEFINE_SPLIT_DECODE(split_decode_bf16, uint16_t, avx_item_bf16, combine_split_bf
 #define ITEM_BF16(...) 0
 #define SPLIT_F32(...) 0
 #define SPLIT_BF16(...) 0
+int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_t *k_cache,
+                                   const int8_t *v_cache, const int32_t *tables,
+                                   long table_stride, const int32_t *lens, uint16_t *out,
+                                   int nd, int H, int Hkv, int D, int block_size, float scale,
+                                   long num_blocks) {
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)tables, (void)table_stride;
+    (void)lens, (void)out, (void)nd, (void)H, (void)Hkv, (void)D, (void)block_size;
+    (void)scale, (void)num_blocks;
+    return -1; /* no AVX-512: the torch path over dequantized blocks */
+}
 #endif
 
 DEFINE_DECODE(paged_decode_attention_f32, float, widen_f32, narrow_f32, ITEM_F32, SPLIT_F32)

@@ -62,6 +62,12 @@ int paged_decode_attention_bf16(const uint16_t *q, long q_stride, const uint16_t
                                 long table_stride, const int32_t *lens, uint16_t *out, int nd,
                                 int H, int Hkv, int D, int block_size, float scale,
                                 long num_blocks);
+/* int8 cache rows (D int8 values, then their float32 scale; kernels/kv_int8.py) */
+int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_t *k_cache,
+                                   const int8_t *v_cache, const int32_t *tables,
+                                   long table_stride, const int32_t *lens, uint16_t *out,
+                                   int nd, int H, int Hkv, int D, int block_size, float scale,
+                                   long num_blocks);
 int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, char *k_cache,
                    char *v_cache, const int64_t *slots, long num_tokens, long row_elems,
                    long elem_size, long num_slots);
@@ -135,5 +141,10 @@ int decode_step_bf16(const void *const *layers, const int32_t *formats, int num_
                      const int64_t *slots, const int32_t *tables, long table_stride,
                      const int32_t *lens, int M, int hidden, int H, int Hkv, int D, int inter,
                      int block_size, long num_blocks, float eps, float scale);
+
+/* kv_int8.c */
+int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stride,
+                        int8_t *k_cache, int8_t *v_cache, const int64_t *slots, long num_tokens,
+                        int Hkv, int D, int is_bf16, long num_slots);
 
 #endif

@@ -176,7 +176,9 @@ def serve(
         f"{sched.policy}, chunk {sched.chunk_size}, "
         f"tp {dep.config.tensor_parallel_size} x pp {dep.config.pipeline_parallel_size}"
         + (f" over {nnodes} nodes" if nnodes > 1 else "")
-        + f", {dep.config.cache.num_blocks} KV blocks) on "
+        + f", {dep.config.cache.num_blocks} KV blocks"
+        + (" of int8" if dep.config.cache.kv_cache_dtype == "int8" else "")
+        + ") on "
         f"{dep.endpoint}"
         + (" (CurveZMQ)" if curve else "")
         + (f", OpenAI API at {dep.http_url}" if dep.http_url else "")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from sarazmq.config import ModelConfig
+from sarazmq.kernels.kv_int8 import kv_cache_layout
 from sarazmq.kernels.memory import zeros_huge_pages
 
 
@@ -52,12 +53,15 @@ def kv_cache_bytes_per_block(
     dtype: torch.dtype,
     tp_size: int = 1,
     num_layers: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Bytes one KV block takes on one rank, over its layers (K and V): all of them, or
-    `num_layers` (a pipeline stage's)."""
+    `num_layers` (a pipeline stage's); dtype is the model's, kv_cache_dtype the cache's
+    ("auto": the model's; "int8": `sarazmq.kernels.kv_int8` rows)."""
     check_tensor_parallel(config, tp_size)
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * (config.num_kv_heads // tp_size) * config.head_dim * elem
+    cache_dtype, row = kv_cache_layout(kv_cache_dtype, dtype, config.head_dim)
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    per_layer = 2 * block_size * (config.num_kv_heads // tp_size) * row * elem
     return per_layer * (config.num_layers if num_layers is None else num_layers)
 
 
@@ -69,9 +73,11 @@ def allocate_kv_cache(
     device: torch.device | str,
     tp_size: int = 1,
     num_layers: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv_local, D], zeroed;
     for all the model's layers, or `num_layers` (a pipeline stage's, see `stage_layers`).
+    kv_cache_dtype "int8": int8 rows [..., D + 4] instead (`sarazmq.kernels.kv_int8`).
 
     All of them are views of one buffer, which on CPU is backed by huge pages where the
     OS allows (see `sarazmq.kernels.memory`): decode touches the cache at scattered slots.
@@ -79,11 +85,12 @@ def allocate_kv_cache(
     check_tensor_parallel(config, tp_size)
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
-    shape = (num_blocks, block_size, config.num_kv_heads // tp_size, config.head_dim)
+    cache_dtype, row = kv_cache_layout(kv_cache_dtype, dtype, config.head_dim)
+    shape = (num_blocks, block_size, config.num_kv_heads // tp_size, row)
     per_cache = num_blocks * block_size * shape[2] * shape[3]
     layers = config.num_layers if num_layers is None else num_layers
     if not 1 <= layers <= config.num_layers:
         raise ValueError(f"num_layers={layers} must be in [1, {config.num_layers}]")
-    flat = zeros_huge_pages(2 * layers * per_cache, dtype, device)
+    flat = zeros_huge_pages(2 * layers * per_cache, cache_dtype, device)
     caches = flat.view(layers, 2, *shape)  # [L, 2, blocks, block_size, Hkv, D]
     return [(caches[i, 0], caches[i, 1]) for i in range(layers)]

@@ -133,7 +133,11 @@ def build_runner(config: EngineConfig) -> tuple[Any, EngineConfig, ModelConfig]:
     resolved, model_config = resolve_engine_config(config)
     if config.cache.num_blocks == 0:
         per_block = kv_cache_bytes_per_block(
-            model_config, resolved.cache.block_size, getattr(torch, resolved.dtype), 1
+            model_config,
+            resolved.cache.block_size,
+            getattr(torch, resolved.dtype),
+            1,
+            kv_cache_dtype=resolved.cache.kv_cache_dtype,
         )
         cap = max(1, MAX_POOL_BYTES // per_block)
         cache = dataclasses.replace(resolved.cache, num_blocks=min(resolved.cache.num_blocks, cap))

@@ -40,7 +40,11 @@ def build_model_runner(
     device = torch.device(config.device)
     dtype = getattr(torch, config.dtype)
     attention = select_attention_backend(
-        config.attention_backend, device, config.cache.block_size, dtype
+        config.attention_backend,
+        device,
+        config.cache.block_size,
+        dtype,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
     model = load_model(
         resolve_model(config.model),
@@ -68,6 +72,7 @@ def build_model_runner(
         device,
         config.tensor_parallel_size,
         num_layers=len(model.layer_range),
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
     sampler = Sampler(model_config.eos_token_ids) if placement.is_driver else None
     return ModelRunner(model, kv_caches, config.cache.block_size, sampler, device, stage)

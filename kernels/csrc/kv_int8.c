@@ -1,0 +1,50 @@
+/* Writes of this step's K and V rows into an int8 paged KV cache (kernels/kv_int8.py).
+ *
+ * A cache row is one token's one KV head: D int8 values q and, after them, the float32
+ * scale s, so that the row holds x ~= s * q. Symmetric per row: amax = max |x|,
+ * s = amax / 127, q = round-half-even(x * (127 / amax)) (all zeros when amax is 0), the
+ * float32 operations the torch reference (`quantize_kv_rows`) does, so both give the
+ * same bytes. Inputs are bf16 or float32 rows [T, Hkv, D] (token stride free).
+ */
+#include "common.h"
+#include "kernels.h"
+
+/* One row: n = D values from src (bf16 when is_bf16, else float32) into dst (D + 4
+ * bytes). */
+static inline void quantize_row(const char *src, int is_bf16, int D, int8_t *dst) {
+    float x[512];
+    for (int d = 0; d < D; d++)
+        x[d] = is_bf16 ? bf(((const uint16_t *)src)[d]) : ((const float *)src)[d];
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+#pragma omp simd
+    for (int d = 0; d < D; d++) {
+        float v = rintf(x[d] * inv); /* the default rounding mode: half to even */
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        dst[d] = (int8_t)v;
+    }
+    memcpy(dst + D, &scale, sizeof scale);
+}
+
+/* k, v: [T, Hkv, D] rows (token strides in elements); caches: [num_slots, Hkv, D + 4]
+ * int8; slots[i]: where token i goes. Returns 0; -1 for D beyond 512; -2 (nothing
+ * written) for a slot outside the cache. */
+int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stride,
+                        int8_t *k_cache, int8_t *v_cache, const int64_t *slots, long num_tokens,
+                        int Hkv, int D, int is_bf16, long num_slots) {
+    if (D < 1 || D > 512) return -1;
+    for (long i = 0; i < num_tokens; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots) return -2;
+    const long elem = is_bf16 ? 2 : 4, row = (long)D + 4;
+#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+    for (long i = 0; i < num_tokens; i++) {
+        for (int h = 0; h < Hkv; h++) {
+            const long dst = (slots[i] * Hkv + h) * row;
+            quantize_row(k + (i * k_stride + (long)h * D) * elem, is_bf16, D, k_cache + dst);
+            quantize_row(v + (i * v_stride + (long)h * D) * elem, is_bf16, D, v_cache + dst);
+        }
+    }
+    return 0;
+}

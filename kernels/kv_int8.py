@@ -1,0 +1,198 @@
+"""The int8 paged KV cache (`--kv-cache-dtype int8`): half the bytes of bf16 per token.
+
+Decode attention reads every running sequence's whole KV each iteration and is bound by
+memory bandwidth on CPUs (docs/KERNELS.md, "int8 KV cache"); int8 rows halve what it
+reads, and the pool holds 1.9x the tokens in the same memory. The price is precision:
+each row keeps ~7 bits of its largest value's magnitude (as vLLM's and SGLang's fp8
+caches trade precision for bytes, which is why it is opt-in).
+
+Layout: the cache tensors are int8 [num_blocks, block_size, Hkv, D + 4]: a row is one
+token's one KV head, D int8 values q then the float32 scale s (its 4 bytes), x ~= s * q.
+Symmetric per row: s = max|x| / 127, q = round-half-even(x * (127 / max|x|)).
+`quantize_kv_rows` / `dequantize_kv_rows` are the plain PyTorch reference and the torch
+backend's path; kernels/csrc/kv_int8.c writes the same bytes, and the decode attention
+kernel (kernels/csrc/cpu_attention.c) reads the rows directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from sarazmq.config import KV_CACHE_DTYPES
+
+from .native import load_library
+
+# bytes after a row's D int8 values: its float32 scale
+INT8_SCALE_BYTES = 4
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """ValueError naming the field unless it is one of KV_CACHE_DTYPES."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}"
+        )
+
+
+def kv_cache_layout(
+    kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int
+) -> tuple[torch.dtype, int]:
+    """(element dtype, elements per row of one token's one KV head) of the cache."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        return torch.int8, head_dim + INT8_SCALE_BYTES
+    return model_dtype, head_dim
+
+
+def is_int8_cache(cache: torch.Tensor) -> bool:
+    """Whether `cache` holds int8 rows (this module's layout)."""
+    return cache.dtype == torch.int8
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (any float dtype) -> int8 rows [..., D + 4] (the reference)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    scale = amax / 127.0
+    # a tensor / tensor division: one rounding, as the C kernel (`127.0 / amax` would be
+    # torch's reciprocal times 127, two)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [..., D + 4] -> [..., D] in `dtype` (s * q, computed in float32)."""
+    d = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
+    return (rows[..., :d].float() * scale).to(dtype)
+
+
+class _Kernels:
+    """The int8 entry points of the native library, with their signatures."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+        self.write = lib.write_kv_cache_int8
+        self.write.argtypes = [p, n, p, n, p, p, p, n, i, i, i, n]
+        self.write.restype = i
+        self.decode = lib.paged_decode_attention_i8_bf16
+        self.decode.argtypes = [p, n, p, p, p, n, p, p, i, i, i, i, i, f, n]
+        self.decode.restype = i
+
+
+_kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on first use
+
+
+def _get() -> _Kernels | None:
+    if not _kernels:
+        lib = load_library()
+        _kernels.append(None if lib is None else _Kernels(lib))
+    return _kernels[0]
+
+
+def write_kv_int8_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Quantizes k, v [T, Hkv, D] (bf16 or float32, heads and D contiguous) into int8
+    caches at slot_mapping [T] (int64) in C: the bytes `quantize_kv_rows` gives. False
+    (nothing written) where the kernel does not apply; IndexError for a slot outside the
+    cache (nothing written)."""
+    kernels = _get()
+    t, hkv, d = k.shape
+    if (
+        kernels is None
+        or k.device.type != "cpu"
+        or k.dtype not in (torch.bfloat16, torch.float32)
+        or v.dtype != k.dtype
+        or not (is_int8_cache(k_cache) and is_int8_cache(v_cache))
+        or k_cache.shape[-1] != d + INT8_SCALE_BYTES
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or slot_mapping.dtype != torch.int64
+        or not slot_mapping.is_contiguous()
+        or k.stride()[1:] != (d, 1)
+        or v.stride()[1:] != (d, 1)
+    ):
+        return False
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = kernels.write(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        t,
+        hkv,
+        d,
+        int(k.dtype == torch.bfloat16),
+        num_slots,
+    )
+    if rc == -2:
+        raise IndexError(
+            f"KV cache slot out of range: a slot in slot_mapping is outside the cache's "
+            f"{num_slots} slots"
+        )
+    return rc == 0
+
+
+def paged_decode_attention_int8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """`paged_decode_attention` over int8 caches (bf16 queries, head size 64 or 128, a CPU
+    with AVX-512); None where the kernel does not apply (the torch path over dequantized
+    blocks then runs). q: [nd, H, D]; caches [num_blocks, block_size, Hkv, D + 4] int8;
+    block_tables [>= nd, max_blocks], seq_lens [>= nd] (int32). Returns [nd, H, D] bf16.
+    """
+    kernels = _get()
+    nd, h, d = q.shape
+    if (
+        kernels is None
+        or q.device.type != "cpu"
+        or q.dtype != torch.bfloat16
+        or nd == 0
+        or k_cache.shape[-1] != d + INT8_SCALE_BYTES
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return None
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+    tables, lens = tables.contiguous(), lens.contiguous()
+    out = torch.empty((nd, h, d), dtype=q.dtype)
+    rc = kernels.decode(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        out.data_ptr(),
+        nd,
+        h,
+        k_cache.shape[2],
+        d,
+        k_cache.shape[1],
+        scale,
+        k_cache.shape[0],
+    )
+    if rc == -2:
+        raise IndexError(
+            f"decode attention: a sequence length or block id reaches outside the KV cache "
+            f"({k_cache.shape[0]} blocks of {k_cache.shape[1]} tokens)"
+        )
+    return out if rc == 0 else None
