@@ -81,8 +81,8 @@ class CpuPagedAttention(TorchPagedAttention):
         `sarazmq.kernels.decode_step`), running the kernels this backend and its `ops` run
         per op; None where it cannot be built (no native kernels, a tensor that does not
         fit)."""
-        if not isinstance(self.ops, NativeCpuOps) or any(is_int8_cache(k) for k, _ in kv_caches):
-            return None  # the fused step reads caches of the model's dtype
+        if not isinstance(self.ops, NativeCpuOps):
+            return None
         try:
             return FusedDecodeStep(
                 layers,

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .block_quant import BlockQuantWeight
+from .kv_int8 import INT8_SCALE_BYTES, is_int8_cache
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag, load_library
 
@@ -65,6 +66,7 @@ _STEP_ARGTYPES = [
     _L,  # num blocks
     _F,  # eps
     _F,  # scale
+    _I,  # the caches hold int8 rows (sarazmq.kernels.kv_int8)
 ]
 _SYMBOLS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16"}
 # Sequences up to which the fused step beats the per-op path (whose matmuls go to oneDNN
@@ -197,16 +199,24 @@ class FusedDecodeStep:
             raise ValueError(f"fused decode step: unsupported dtype {dtype}")
         tensors = [final_norm]
         blocks: list[BlockQuantWeight] = []
+        cache_tensors: list[torch.Tensor] = []
         for weights, caches in zip(layers, kv_caches, strict=True):
             for t in weights:
                 (blocks if isinstance(t, BlockQuantWeight) else tensors).append(t)
-            tensors.extend(caches)
-        for t in tensors:
-            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            cache_tensors.extend(caches)
+        # int8 caches (rows of D int8 values and their scale): bf16 steps only
+        self.kv_int8 = all(is_int8_cache(t) for t in cache_tensors)
+        if self.kv_int8 and dtype != torch.bfloat16:
+            raise ValueError("fused decode step: int8 KV caches need a bf16 model")
+        cache_dtype = torch.int8 if self.kv_int8 else dtype
+        for t in tensors + cache_tensors:
+            want = cache_dtype if any(t is c for c in cache_tensors) else dtype
+            if t.dtype != want or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(
                     "fused decode step: every weight and cache must be a contiguous CPU "
-                    f"tensor of {dtype}"
+                    f"tensor of {dtype} (caches: of {dtype} or all int8)"
                 )
+        tensors.extend(cache_tensors)
         self.dtype = dtype
         self.hidden = hidden = final_norm.shape[0]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -235,10 +245,12 @@ class FusedDecodeStep:
                         f"layer {i} {name}: shape {tuple(t.shape)}, expected {shapes[name]}"
                     )
             for name, t in zip(_KV_SLOTS, caches, strict=True):
-                if tuple(t.shape) != shapes[name]:
+                want = shapes[name]
+                if self.kv_int8:  # a row's D values and its scale's bytes
+                    want = (*want[:3], want[3] + INT8_SCALE_BYTES)
+                if tuple(t.shape) != want:
                     raise ValueError(
-                        f"layer {i} KV cache ({name}): shape {tuple(t.shape)}, expected "
-                        f"{shapes[name]}"
+                        f"layer {i} KV cache ({name}): shape {tuple(t.shape)}, expected {want}"
                     )
         self._fn = getattr(lib, _SYMBOLS[dtype])
         self._fn.argtypes = _STEP_ARGTYPES
@@ -346,6 +358,7 @@ class FusedDecodeStep:
             self.num_blocks,
             self.eps,
             self.scale,
+            int(self.kv_int8),
         )
         if rc == -2:
             raise IndexError(

@@ -15,6 +15,7 @@ from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available
 from sarazmq.kernels.cpu_ops import GEMV_MAX_ROWS
 from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, DecodeLayerWeights, FusedDecodeStep
 from sarazmq.kernels.metadata import AttentionMetadata
+from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.llama import LlamaForCausalLM
 from tests.test_model import _tiny_config
@@ -69,9 +70,13 @@ def _model(backend: AttentionBackend, dtype: torch.dtype, **over: object) -> Lla
     return model
 
 
-def _prefilled(model: LlamaForCausalLM, m: int, dtype: torch.dtype) -> list:
+def _prefilled(
+    model: LlamaForCausalLM, m: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> list:
     """KV caches holding the prompts of the first m sequences."""
-    caches = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK, dtype, "cpu")
+    caches = allocate_kv_cache(
+        model.config, NUM_BLOCKS, BLOCK, dtype, "cpu", kv_cache_dtype=kv_cache_dtype
+    )
     lens = list(PROMPTS[:m])
     ids = torch.randint(0, 96, (sum(lens),), generator=torch.Generator().manual_seed(m))
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -95,15 +100,18 @@ def _decode(model: LlamaForCausalLM, caches: list, m: int, steps: int) -> list[t
     return outs
 
 
-def compare_with_per_op(dtype: torch.dtype, m: int, steps: int = 3) -> tuple[bool, bool]:
+def compare_with_per_op(
+    dtype: torch.dtype, m: int, steps: int = 3, kv_cache_dtype: str = "auto", **over: object
+) -> tuple[bool, bool]:
     """(fused step used, outputs and caches the per-op path's: bitwise up to GEMV_MAX_ROWS
     rows, close past them) for m decodes over `steps` steps from the same prefilled
-    caches. Also run by the restricted-build test in test_cpu_kernels.py."""
+    caches (of `kv_cache_dtype`; `over`: model config changes). Also run by the
+    restricted-build test in test_cpu_kernels.py."""
     torch.manual_seed(0)
-    fused_model = _model(CpuPagedAttention(), dtype)
-    per_op_model = _model(PerOpCpuAttention(), dtype)
+    fused_model = _model(CpuPagedAttention(), dtype, **over)
+    per_op_model = _model(PerOpCpuAttention(), dtype, **over)
     per_op_model.load_state_dict(fused_model.state_dict())
-    caches_a = _prefilled(fused_model, m, dtype)
+    caches_a = _prefilled(fused_model, m, dtype, kv_cache_dtype)
     caches_b = [(k.clone(), v.clone()) for k, v in caches_a]
     used = []
     real_run = FusedDecodeStep.run
@@ -128,6 +136,8 @@ def compare_with_per_op(dtype: torch.dtype, m: int, steps: int = 3) -> tuple[boo
         tol = 1e-4 if dtype == torch.float32 else 0.05
         same = all(
             torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+            if a.is_floating_point()
+            else (a.int() - b.int()).abs().max() <= 1  # int8 rows of close inputs
             and not torch.equal(a, torch.zeros_like(a))
             for a, b in pairs
         )
@@ -143,6 +153,16 @@ def test_fused_step_gives_the_per_op_path_results(dtype: torch.dtype, m: int) ->
         assert not used  # past its limit the model runs op by op
     elif not used:
         pytest.skip(f"this CPU's build has no {dtype} matrix-vector kernel")
+
+
+@pytest.mark.skipif(not cpu_has_flag("avx512f"), reason="the int8 decode item is AVX-512")
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_fused_step_on_int8_caches_gives_the_per_op_path_results(m: int) -> None:
+    # head size 64: what the int8 decode item takes
+    used, same = compare_with_per_op(torch.bfloat16, m, kv_cache_dtype="int8", head_dim=64)
+    assert same
+    if not used:
+        pytest.skip("this CPU's build has no bf16 matrix-vector kernel")
 
 
 def test_fused_step_declines_what_it_does_not_cover() -> None:

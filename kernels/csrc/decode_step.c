@@ -120,7 +120,8 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
              const T *final_norm, const T *x_in, T *out, T *work, const T *cos,                \
              const T *sin_signed, const int64_t *slots, const int32_t *tables,                 \
              long table_stride, const int32_t *lens, int M, int hidden, int H, int Hkv, int D, \
-             int inter, int block_size, long num_blocks, float eps, float scale) {             \
+             int inter, int block_size, long num_blocks, float eps, float scale,               \
+             int kv_int8) {                                                                    \
         const int q_n = H * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;                         \
         /* everything checked before anything is written */                                    \
         int plain = 0, blocks = 0;                                                             \
@@ -132,6 +133,8 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
             else                                                                               \
                 return -1;                                                                     \
         }                                                                                      \
+        /* int8 caches (kv_int8.c's rows): bf16 steps on the AVX-512 decode item only */      \
+        if (kv_int8 && (!KV_INT8_STEP_##SUF || (D != 64 && D != 128))) return -1;              \
         if (num_layers < 1 || M < 1 || D % 2 != 0 || D > 512 ||                                \
             (plain && (!gemv_##SUF##_covers(M, qkv_n, hidden) ||                               \
                        !gemv_##SUF##_covers(M, hidden, q_n) ||                                 \
@@ -158,12 +161,23 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
             linear_##SUF(f[F_qkv], h, hidden, p[L_qkv], p[L_qkv_scales], qkv, qkv_n, M, qkv_n, \
                          hidden);                                                              \
             rope_##SUF(qkv, qkv_n, cos, sin_signed, M, H + Hkv, D);                            \
-            write_kv_cache((const char *)(qkv + q_n), qkv_n, (const char *)(qkv + q_n + kv_n), \
-                           qkv_n, (char *)p[L_k_cache], (char *)p[L_v_cache], slots, M, kv_n,  \
-                           (long)sizeof(T), num_blocks * block_size);                          \
-            paged_decode_attention_##SUF(qkv, qkv_n, p[L_k_cache], p[L_v_cache], tables,       \
-                                         table_stride, lens, attn, M, H, Hkv, D, block_size,   \
-                                         scale, num_blocks);                                   \
+            if (kv_int8) {                                                                     \
+                write_kv_cache_int8((const char *)(qkv + q_n), qkv_n,                          \
+                                    (const char *)(qkv + q_n + kv_n), qkv_n,                   \
+                                    (int8_t *)p[L_k_cache], (int8_t *)p[L_v_cache], slots, M,  \
+                                    Hkv, D, sizeof(T) == 2, num_blocks * block_size);          \
+                KV_INT8_ATTEND_##SUF(qkv, qkv_n, p[L_k_cache], p[L_v_cache], tables,           \
+                                     table_stride, lens, attn, M, H, Hkv, D, block_size,       \
+                                     scale, num_blocks);                                       \
+            } else {                                                                           \
+                write_kv_cache((const char *)(qkv + q_n), qkv_n,                               \
+                               (const char *)(qkv + q_n + kv_n), qkv_n, (char *)p[L_k_cache],  \
+                               (char *)p[L_v_cache], slots, M, kv_n, (long)sizeof(T),          \
+                               num_blocks * block_size);                                       \
+                paged_decode_attention_##SUF(qkv, qkv_n, p[L_k_cache], p[L_v_cache], tables,   \
+                                             table_stride, lens, attn, M, H, Hkv, D,           \
+                                             block_size, scale, num_blocks);                   \
+            }                                                                                  \
             linear_##SUF(f[F_o], attn, q_n, p[L_o], p[L_o_scales], x, hidden, M, hidden, q_n); \
             rms_norm_##SUF(x, hidden, res, hidden, p[L_post_norm], h, hidden, M, hidden, eps); \
             linear_##SUF(f[F_gate_up], h, hidden, p[L_gate_up], p[L_gate_up_scales], gu,       \
@@ -176,5 +190,15 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
         return 0;                                                                              \
     }
 
+/* Which steps read int8 caches: bf16 ones where the AVX-512 int8 decode item is built
+ * (cpu_attention.c); float32 steps never (the per-op torch path dequantizes). */
+#if defined(__AVX512F__)
+#define KV_INT8_STEP_bf16 1
+#else
+#define KV_INT8_STEP_bf16 0
+#endif
+#define KV_INT8_STEP_f32 0
+#define KV_INT8_ATTEND_bf16(...) paged_decode_attention_i8_bf16(__VA_ARGS__)
+#define KV_INT8_ATTEND_f32(...) (void)0
 DEFINE_DECODE_STEP(decode_step_f32, float, f32)
 DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16)

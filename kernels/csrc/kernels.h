@@ -129,18 +129,20 @@ const char *decode_step_matmuls(void);
 int decode_step_slot_shape(int slot, int hidden, int H, int Hkv, int D, int inter,
                            long num_blocks, int block_size, long *dims);
 long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter);
+/* kv_int8: the caches hold kv_int8.c's rows ([num_blocks, block_size, Hkv, D + 4] int8,
+ * not the slot shape above); bf16 steps with the AVX-512 decode item only (else -1) */
 int decode_step_f32(const void *const *layers, const int32_t *formats, int num_layers,
                     const float *final_norm, const float *x_in, float *out, float *work,
                     const float *cos, const float *sin_signed, const int64_t *slots,
                     const int32_t *tables, long table_stride, const int32_t *lens, int M,
                     int hidden, int H, int Hkv, int D, int inter, int block_size,
-                    long num_blocks, float eps, float scale);
+                    long num_blocks, float eps, float scale, int kv_int8);
 int decode_step_bf16(const void *const *layers, const int32_t *formats, int num_layers,
                      const uint16_t *final_norm, const uint16_t *x_in, uint16_t *out,
                      uint16_t *work, const uint16_t *cos, const uint16_t *sin_signed,
                      const int64_t *slots, const int32_t *tables, long table_stride,
                      const int32_t *lens, int M, int hidden, int H, int Hkv, int D, int inter,
-                     int block_size, long num_blocks, float eps, float scale);
+                     int block_size, long num_blocks, float eps, float scale, int kv_int8);
 
 /* kv_int8.c */
 int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stride,
