@@ -33,7 +33,7 @@ from .cpu_attention_kernels import (
 )
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
 from .decode_step import DecodeLayerWeights, FusedDecodeStep
-from .kv_int8 import is_int8_cache, paged_decode_attention_int8, write_kv_int8_native
+from .kv_int8 import is_int8_cache, write_kv_int8_native
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag
 from .torch_attention import _DECODE_GROUP_BYTES, TorchPagedAttention
@@ -221,8 +221,9 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> torch.Tensor:
         nd = q.shape[0]
-        decode = paged_decode_attention_int8 if is_int8_cache(k_cache) else paged_decode_attention
-        out = decode(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_k[:nd], scale)
+        out = paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_k[:nd], scale
+        )
         if out is None:
             return super()._decodes(q, k_cache, v_cache, meta, scale)
         return out

@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from .kv_int8 import INT8_SCALE_BYTES
 from .native import load_library
 
 _c_long, _c_int, _c_float, _c_void_p = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -80,6 +81,10 @@ class _Kernels:
             fn.argtypes = _ARGTYPES
             fn.restype = _c_int
             self.decode[dtype] = fn
+        # bf16 queries over int8 cache rows (sarazmq.kernels.kv_int8), the same arguments
+        self.decode_int8 = lib.paged_decode_attention_i8_bf16
+        self.decode_int8.argtypes = _ARGTYPES
+        self.decode_int8.restype = _c_int
         self.prefill_bf16 = lib.prefill_attention_bf16
         self.prefill_bf16.argtypes = _PREFILL_ARGTYPES
         self.prefill_bf16.restype = _c_int
@@ -167,16 +172,21 @@ def paged_decode_attention(
     """Decode attention straight from the paged cache; None when the kernel does not apply.
 
     q: [nd, H, D] (token stride free, heads contiguous); k_cache, v_cache:
-    [num_blocks, block_size, Hkv, D] contiguous; block_tables: [>= nd, max_blocks] int32;
-    seq_lens: [>= nd] int32, keys per sequence (>= 1, this step's token already written).
-    Returns [nd, H, D] in q's dtype.
+    [num_blocks, block_size, Hkv, D] contiguous, of q's dtype, or int8 rows
+    [..., D + 4] (`sarazmq.kernels.kv_int8`: bf16 q, head size 64 or 128, AVX-512);
+    block_tables: [>= nd, max_blocks] int32; seq_lens: [>= nd] int32, keys per sequence
+    (>= 1, this step's token already written). Returns [nd, H, D] in q's dtype.
     """
     kernels = _get_kernels()
     if kernels is None or q.device.type != "cpu":
         return None
-    fn = kernels.decode.get(q.dtype)
     nd, h, d = q.shape
-    if fn is None or k_cache.dtype != q.dtype or nd == 0:
+    if k_cache.dtype == torch.int8:
+        int8_rows = q.dtype == torch.bfloat16 and k_cache.shape[-1] == d + INT8_SCALE_BYTES
+        fn = kernels.decode_int8 if int8_rows else None
+    else:
+        fn = kernels.decode.get(q.dtype) if k_cache.dtype == q.dtype else None
+    if fn is None or nd == 0:
         return None
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()

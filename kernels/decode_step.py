@@ -209,13 +209,13 @@ class FusedDecodeStep:
         if self.kv_int8 and dtype != torch.bfloat16:
             raise ValueError("fused decode step: int8 KV caches need a bf16 model")
         cache_dtype = torch.int8 if self.kv_int8 else dtype
-        for t in tensors + cache_tensors:
-            want = cache_dtype if any(t is c for c in cache_tensors) else dtype
-            if t.dtype != want or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(
-                    "fused decode step: every weight and cache must be a contiguous CPU "
-                    f"tensor of {dtype} (caches: of {dtype} or all int8)"
-                )
+        for group, want in ((tensors, dtype), (cache_tensors, cache_dtype)):
+            for t in group:
+                if t.dtype != want or t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError(
+                        "fused decode step: every weight and cache must be a contiguous CPU "
+                        f"tensor of {dtype} (caches: of {dtype} or all int8)"
+                    )
         tensors.extend(cache_tensors)
         self.dtype = dtype
         self.hidden = hidden = final_norm.shape[0]

@@ -11,7 +11,8 @@ token's one KV head, D int8 values q then the float32 scale s (its 4 bytes), x ~
 Symmetric per row: s = max|x| / 127, q = round-half-even(x * (127 / max|x|)).
 `quantize_kv_rows` / `dequantize_kv_rows` are the plain PyTorch reference and the torch
 backend's path; kernels/csrc/kv_int8.c writes the same bytes, and the decode attention
-kernel (kernels/csrc/cpu_attention.c) reads the rows directly.
+kernel (kernels/csrc/cpu_attention.c, `paged_decode_attention` for int8 caches) reads
+the rows directly.
 """
 
 from __future__ import annotations
@@ -71,16 +72,14 @@ def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Kernels:
-    """The int8 entry points of the native library, with their signatures."""
+    """The int8 write of the native library, with its signature (the int8 decode is
+    `cpu_attention_kernels.paged_decode_attention`'s for int8 caches)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+        p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
         self.write = lib.write_kv_cache_int8
         self.write.argtypes = [p, n, p, n, p, p, p, n, i, i, i, n]
         self.write.restype = i
-        self.decode = lib.paged_decode_attention_i8_bf16
-        self.decode.argtypes = [p, n, p, p, p, n, p, p, i, i, i, i, i, f, n]
-        self.decode.restype = i
 
 
 _kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on first use
@@ -141,58 +140,3 @@ def write_kv_int8_native(
             f"{num_slots} slots"
         )
     return rc == 0
-
-
-def paged_decode_attention_int8(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor | None:
-    """`paged_decode_attention` over int8 caches (bf16 queries, head size 64 or 128, a CPU
-    with AVX-512); None where the kernel does not apply (the torch path over dequantized
-    blocks then runs). q: [nd, H, D]; caches [num_blocks, block_size, Hkv, D + 4] int8;
-    block_tables [>= nd, max_blocks], seq_lens [>= nd] (int32). Returns [nd, H, D] bf16.
-    """
-    kernels = _get()
-    nd, h, d = q.shape
-    if (
-        kernels is None
-        or q.device.type != "cpu"
-        or q.dtype != torch.bfloat16
-        or nd == 0
-        or k_cache.shape[-1] != d + INT8_SCALE_BYTES
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-    ):
-        return None
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
-    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
-    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
-    tables, lens = tables.contiguous(), lens.contiguous()
-    out = torch.empty((nd, h, d), dtype=q.dtype)
-    rc = kernels.decode(
-        q.data_ptr(),
-        q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        out.data_ptr(),
-        nd,
-        h,
-        k_cache.shape[2],
-        d,
-        k_cache.shape[1],
-        scale,
-        k_cache.shape[0],
-    )
-    if rc == -2:
-        raise IndexError(
-            f"decode attention: a sequence length or block id reaches outside the KV cache "
-            f"({k_cache.shape[0]} blocks of {k_cache.shape[1]} tokens)"
-        )
-    return out if rc == 0 else None

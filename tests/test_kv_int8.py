@@ -10,11 +10,10 @@ import torch
 
 from sarazmq.config import CacheConfig, EngineConfig
 from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_attention_backend
-from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available
+from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available, paged_decode_attention
 from sarazmq.kernels.kv_int8 import (
     dequantize_kv_rows,
     kv_cache_layout,
-    paged_decode_attention_int8,
     quantize_kv_rows,
     write_kv_int8_native,
 )
@@ -95,7 +94,7 @@ def test_int8_decode_kernel_matches_attention_over_dequantized_rows(
     q, k, v, k8, v8, meta, k_ref, v_ref = _int8_scenario(seqs, (9, 3), head_dim, 16)
     # the new tokens' rows written first, as the backend does
     assert write_kv_int8_native(k, v, k8, v8, meta.slot_mapping)
-    out = paged_decode_attention_int8(q, k8, v8, meta.block_tables, meta.seq_lens_k, 0.125)
+    out = paged_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens_k, 0.125)
     assert out is not None and out.dtype == BF
     ref = reference_attention(q.float(), k_ref, v_ref, meta.q_lens, meta.k_lens, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -103,7 +102,7 @@ def test_int8_decode_kernel_matches_attention_over_dequantized_rows(
     bad = meta.block_tables.clone()
     bad[0, 0] = k8.shape[0]
     with pytest.raises(IndexError, match="outside the KV cache"):
-        paged_decode_attention_int8(q, k8, v8, bad, meta.seq_lens_k, 0.125)
+        paged_decode_attention(q, k8, v8, bad, meta.seq_lens_k, 0.125)
 
 
 @pytest.mark.parametrize(
