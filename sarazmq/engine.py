@@ -20,7 +20,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from sarazmq.config import DEFAULT_MODEL, EngineConfig, SchedulerConfig
+from sarazmq.config import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MODEL,
+    EngineConfig,
+    SchedulerConfig,
+)
 from sarazmq.detokenizer.service import DetokenizerService
 from sarazmq.frontend.prompts import PromptTokenizer
 from sarazmq.model.loader import load_tokenizer, resolve_model
@@ -146,8 +152,8 @@ class LLM:
         self,
         model: str = DEFAULT_MODEL,
         scheduler: str = "sarathi",
-        chunk_size: int = 256,
-        max_num_seqs: int = 64,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         dtype: str = "auto",
         **options: Any,
     ) -> None:

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from sarazmq.cli import main
+from sarazmq.config import DEFAULT_CHUNK_SIZE
 from sarazmq.perf.shape import IterationShape
 from sarazmq.replay.metrics import IterationSample, RequestRecord
 from sarazmq.sweep.backends import SimSetup, sim_backend
@@ -100,7 +101,7 @@ def test_keys_are_stable_and_file_safe() -> None:
     p = SweepPoint("sarathi", 256, 0.25, 0.5, "qps", 0)
     assert p.key == "sarathi_c256_s0.25_q0.5_seed0"
     assert SweepPoint("vllm", None, 0.0, 0.8, "capacity", 1).key == "vllm_cany_s0_l0.8_seed1"
-    assert SweepPoint("vllm", None, 0.0, 0.8, "capacity", 1).engine_chunk == 256
+    assert SweepPoint("vllm", None, 0.0, 0.8, "capacity", 1).engine_chunk == DEFAULT_CHUNK_SIZE
 
 
 def test_chunk_independent_policies_run_once() -> None:

@@ -10,6 +10,8 @@ import click
 
 from sarazmq.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MODEL,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -42,8 +44,13 @@ policy_options = stack(
         show_default=True,
         help="batching policy",
     ),
-    click.option("--chunk-size", default=256, show_default=True, help="per-iteration token budget"),
-    click.option("--max-num-seqs", default=64, show_default=True),
+    click.option(
+        "--chunk-size",
+        default=DEFAULT_CHUNK_SIZE,
+        show_default=True,
+        help="per-iteration token budget",
+    ),
+    click.option("--max-num-seqs", default=DEFAULT_MAX_NUM_SEQS, show_default=True),
     click.option(
         "--tbt-slo",
         type=float,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sarazmq.config import SchedulerConfig
+from sarazmq.config import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
 from sarazmq.perf.model import LatencyModel
 from sarazmq.perf.pipeline import PipelineLatency
 from sarazmq.replay.workload import WorkloadRequest
@@ -21,8 +21,8 @@ from sarazmq.sim.simulator import SimClock, SimOutcome, simulate
 #: passed), with their defaults: the engine's.
 SCHED_DEFAULTS: dict[str, Any] = {
     "scheduler": "sarathi",
-    "chunk_size": 256,
-    "max_num_seqs": 64,
+    "chunk_size": DEFAULT_CHUNK_SIZE,
+    "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
     "watermark": 0.01,
     "enable_prefix_caching": True,
     "tbt_slo": 0.0,

@@ -16,10 +16,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sarazmq.config import DEFAULT_CHUNK_SIZE
+
 DEFAULT_CHUNKS = (32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_SHARES = (0.0, 0.1, 0.25, 0.5)
 #: The chunk the best-chunk table compares against (the engine's default).
-DEFAULT_CHUNK = 256
+DEFAULT_CHUNK = DEFAULT_CHUNK_SIZE
 #: The chunk size an engine of a chunk-independent policy is built with (any would do).
 ENGINE_CHUNK_FOR_INDEPENDENT = DEFAULT_CHUNK
 LOAD_KINDS = ("qps", "capacity")
