@@ -3,8 +3,8 @@
 A backend (`TorchPagedAttention`, `CpuPagedAttention`, `FlashAttnPagedAttention`) gives
 the model three things: paged attention for a hybrid batch (`forward`), the ops for the
 rest of a layer (`ops`: RMSNorm, RoPE, SiLU-and-multiply, matmuls on `LinearWeight`s),
-and optionally a whole decode step in one call (`fused_decode_step`), which a backend
-without one answers with None.
+and optionally a whole decode step or hybrid iteration in one call (`fused_decode_step`,
+`hybrid_step`), which a backend without one answers with None.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from .cpu_ops import HotOps
 from .decode_step import DecodeLayerWeights, FusedDecodeStep
+from .hybrid_step import HybridStep
 from .metadata import AttentionMetadata
 
 
@@ -61,5 +62,27 @@ class AttentionBackend(Protocol):
 
         layers: per layer, its weights (a matmul as its plain tensor or its quantized
         blocks); final_norm: [hidden]; kv_caches: per layer (k_cache, v_cache).
+        """
+        ...
+
+    def hybrid_step(
+        self,
+        layers: Sequence[DecodeLayerWeights],
+        final_norm: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> HybridStep | None:
+        """A Llama model's whole hybrid iteration over these weights and caches in one call
+        (`sarazmq.kernels.hybrid_step`), running the kernels `forward` and `ops` run op by
+        op; None where the backend has none or cannot build it for these tensors.
+
+        layers: per layer, its norms and each matmul's AMX tile layout
+        (`LinearWeight.tiles`); final_norm: [hidden]; kv_caches: per layer (k_cache,
+        v_cache).
         """
         ...

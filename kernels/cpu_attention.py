@@ -33,6 +33,7 @@ from .cpu_attention_kernels import (
 )
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
 from .decode_step import DecodeLayerWeights, FusedDecodeStep
+from .hybrid_step import HybridStep
 from .kv_int8 import is_int8_cache, write_kv_int8_native
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag
@@ -85,6 +86,43 @@ class CpuPagedAttention(TorchPagedAttention):
             return None
         try:
             return FusedDecodeStep(
+                layers,
+                final_norm,
+                kv_caches,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                eps=eps,
+                scale=scale,
+            )
+        except ValueError:
+            return None
+
+    def hybrid_step(
+        self,
+        layers: Sequence[DecodeLayerWeights],
+        final_norm: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> HybridStep | None:
+        """A Llama model's hybrid iteration in one native call (see
+        `sarazmq.kernels.hybrid_step`) where this backend's per-op path runs exactly its
+        kernels: matmuls on AMX tiles (`ops.reads_tiles`) and bf16 prefill chunks through
+        the AMX prefill kernel; None elsewhere or where a tensor does not fit."""
+        if not (
+            isinstance(self.ops, NativeCpuOps)
+            and self.ops.reads_tiles
+            and self.native_prefill
+            and prefill_amx_available()
+        ):
+            return None
+        try:
+            return HybridStep(
                 layers,
                 final_norm,
                 kv_caches,

@@ -143,7 +143,7 @@ def decode_step_layout() -> DecodeStepLayout:
     return layout
 
 
-def _slot_shapes(
+def layer_slot_shapes(
     lib: ctypes.CDLL,
     layout: DecodeStepLayout,
     hidden: int,
@@ -227,7 +227,7 @@ class FusedDecodeStep:
         # the C step reads every shape blindly: check each tensor against the shape the
         # library declares for its slot, once, here
         layout = decode_step_layout()
-        shapes = _slot_shapes(
+        shapes = layer_slot_shapes(
             lib,
             layout,
             hidden,

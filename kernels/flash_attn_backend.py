@@ -25,6 +25,7 @@ from .torch_attention import write_kv_cache
 
 if TYPE_CHECKING:
     from .decode_step import DecodeLayerWeights, FusedDecodeStep
+    from .hybrid_step import HybridStep
 
 # flash-attn 2 paged KV requires page_block_size % 256 == 0
 FLASH_ATTN_BLOCK_MULTIPLE = 256
@@ -119,4 +120,8 @@ class FlashAttnPagedAttention:
         scale: float,
     ) -> FusedDecodeStep | None:
         """None: decode steps run op by op here (see `AttentionBackend.fused_decode_step`)."""
+        return None
+
+    def hybrid_step(self, *args: Any, **kwargs: Any) -> HybridStep | None:
+        """None: hybrid iterations run op by op here (see `AttentionBackend.hybrid_step`)."""
         return None

@@ -9,7 +9,7 @@ already-cached context (chunked prefill).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from .metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from .decode_step import DecodeLayerWeights, FusedDecodeStep
+    from .hybrid_step import HybridStep
 
 
 def write_kv_cache(
@@ -194,6 +195,10 @@ class TorchPagedAttention:
         scale: float,
     ) -> FusedDecodeStep | None:
         """None: decode steps run op by op here (see `AttentionBackend.fused_decode_step`)."""
+        return None
+
+    def hybrid_step(self, *args: Any, **kwargs: Any) -> HybridStep | None:
+        """None: hybrid iterations run op by op here (see `AttentionBackend.hybrid_step`)."""
         return None
 
     def _prefill_into(

@@ -144,6 +144,17 @@ int decode_step_bf16(const void *const *layers, const int32_t *formats, int num_
                      const int32_t *lens, int M, int hidden, int H, int Hkv, int D, int inter,
                      int block_size, long num_blocks, float eps, float scale, int kv_int8);
 
+/* hybrid_step.c: a bf16 hybrid iteration (decodes first, then prefill chunks) through
+ * every layer and the final norm, matmuls on AMX tiles (decode_step's slot table, each
+ * matmul slot a linear_amx_pack'ed weight); work: decode_step_work_elems(T, ...) */
+int hybrid_step_bf16(const void *const *layers, int num_layers, const uint16_t *final_norm,
+                     const uint16_t *x_in, uint16_t *out, uint16_t *work, const uint16_t *cos,
+                     const uint16_t *sin_signed, const int64_t *slots, const int32_t *tables,
+                     long table_stride, const int32_t *q_lens, const int32_t *k_lens,
+                     int num_seqs, int num_decodes, int T, int hidden, int H, int Hkv, int D,
+                     int inter, int block_size, long num_blocks, float eps, float scale,
+                     uint16_t *scratch);
+
 /* kv_int8.c */
 int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stride,
                         int8_t *k_cache, int8_t *v_cache, const int64_t *slots, long num_tokens,

@@ -34,6 +34,7 @@ from sarazmq.config import ModelConfig
 from sarazmq.kernels.backend import AttentionBackend
 from sarazmq.kernels.block_quant import BlockQuantWeight, block_quant_kernels_available
 from sarazmq.kernels.decode_step import DecodeLayerWeights, FusedDecodeStep, Matmul
+from sarazmq.kernels.hybrid_step import HybridStep
 from sarazmq.kernels.linear_weight import VARIANTS, LinearWeight
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin
@@ -148,11 +149,13 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp_size, dtype, device) for _ in self.layer_range
         )
-        # decode steps of a few sequences through the backend's one-call step where it has
-        # one (EngineConfig.enforce_eager turns it off); the step is built for these
-        # weights and the KV caches it was given (see fused_decode_step), under a key
+        # decode steps of a few sequences and hybrid iterations through the backend's
+        # one-call steps where it has them (EngineConfig.enforce_eager turns them off);
+        # the steps are built for these weights and the KV caches they were given (see
+        # fused_decode_step), under a key
         self.fused_decode = True
         self._fused_step: FusedDecodeStep | None = None
+        self._hybrid_step: HybridStep | None = None
         self._fused_key: tuple[int, ...] | None = None
         # float32 always: angles must not be rounded to the run dtype before cos/sin
         self.register_buffer(
@@ -237,6 +240,12 @@ class LlamaForCausalLM(nn.Module):
             out = None if step is None else step.run(x, cos, sin, meta)
             if out is not None:
                 return out
+        if self.fused_decode and self.pp_size == 1 and t > 1:
+            # a hybrid batch: every layer in one native call where the backend has one
+            hybrid = self.hybrid_step(kv_caches)
+            out = None if hybrid is None else hybrid.run(x, cos, sin, meta)
+            if out is not None:
+                return out
         ops = self.attention.ops  # elementwise ops and matmuls: the backend's kernels
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h, residual = ops.rms_norm_(x, layer.input_layernorm, eps, residual)
@@ -270,25 +279,66 @@ class LlamaForCausalLM(nn.Module):
         stay the same; None where the backend has none or the model does not fit it
         (tensor parallel, qkv bias). `forward` runs it for decode-only batches (unless
         `fused_decode` is off) where it takes the batch."""
-        if self.norm is None:
-            return None  # a stage before the last: the fused step ends in the final norm
-        key = (id(kv_caches), kv_caches[0][0].data_ptr(), self.norm.data_ptr())
-        if key != self._fused_key:
-            self._fused_key, self._fused_step = key, None
-            layers = self._decode_layer_weights()
-            if layers is not None and self.pp_size == 1:
-                cfg = self.config
-                self._fused_step = self.attention.fused_decode_step(
-                    layers,
-                    self.norm,
-                    kv_caches,
-                    num_heads=cfg.num_heads,
-                    num_kv_heads=cfg.num_kv_heads,
-                    head_dim=cfg.head_dim,
-                    eps=cfg.rms_norm_eps,
-                    scale=self.scale,
-                )
+        self._build_steps(kv_caches)
         return self._fused_step
+
+    def hybrid_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> HybridStep | None:
+        """The attention backend's one-call hybrid iteration (`AttentionBackend.hybrid_step`)
+        for these weights and caches, kept as `fused_decode_step` is; None where the
+        backend has none or a matmul has no AMX tile layout. `forward` runs it for batches
+        of more than one row (unless `fused_decode` is off) where it takes the batch."""
+        self._build_steps(kv_caches)
+        return self._hybrid_step
+
+    def _forget_steps(self) -> None:
+        """The weights changed: the one-call steps are rebuilt on next use."""
+        self._fused_key = self._fused_step = self._hybrid_step = None
+
+    def _build_steps(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.norm is None or self.pp_size != 1:
+            return  # a stage before the last: the steps end in the final norm
+        key = (id(kv_caches), kv_caches[0][0].data_ptr(), self.norm.data_ptr())
+        if key == self._fused_key:
+            return
+        self._forget_steps()
+        self._fused_key = key
+        cfg = self.config
+        sizes: dict[str, Any] = dict(
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            scale=self.scale,
+        )
+        layers = self._decode_layer_weights()
+        if layers is not None:
+            self._fused_step = self.attention.fused_decode_step(
+                layers, self.norm, kv_caches, **sizes
+            )
+        tiled = self._tile_layer_weights()
+        if tiled is not None:
+            self._hybrid_step = self.attention.hybrid_step(tiled, self.norm, kv_caches, **sizes)
+
+    def _tile_layer_weights(self) -> list[DecodeLayerWeights] | None:
+        """Every layer's norms and matmuls' AMX tile layouts; None where a matmul has none
+        or a bias, or with tensor parallelism (the hybrid step has no all-reduce)."""
+        if self.tp_size != 1:
+            return None
+        layers = []
+        for layer in self.layers:
+            tiles: dict[str, Matmul] = {}
+            for name, w in layer.matmuls().items():
+                if w.tiles is None or w.bias is not None:
+                    return None
+                tiles[name] = w.tiles
+            layers.append(
+                DecodeLayerWeights(
+                    input_norm=layer.input_layernorm,
+                    post_norm=layer.post_attention_layernorm,
+                    **tiles,
+                )
+            )
+        return layers
 
     def _decode_layer_weights(self) -> list[DecodeLayerWeights] | None:
         """Every layer's weights as a fused step reads them (a matmul as its blocks where
@@ -361,7 +411,7 @@ class LlamaForCausalLM(nn.Module):
         Returns whether weights were packed.
         """
         tiles = self.attention.ops.reads_tiles
-        self._fused_key = self._fused_step = None  # rebuilt for what the per-op path reads
+        self._forget_steps()  # rebuilt for what the per-op path reads
         return all([w.prepack(tiles=tiles) for _, w in self.matmul_weights()])
 
     def drop_unused_plain_weights(self) -> int:
@@ -377,7 +427,7 @@ class LlamaForCausalLM(nn.Module):
                 w.drop_plain()
                 dropped += 1
         if dropped:
-            self._fused_key = self._fused_step = None  # rebuilt without them
+            self._forget_steps()  # rebuilt without them
         return dropped
 
     # ------------------------------------------------------------------ loading
@@ -391,7 +441,7 @@ class LlamaForCausalLM(nn.Module):
                     "load into a new model"
                 )
             w.variants_changed()
-        self._fused_key = self._fused_step = None
+        self._forget_steps()
 
     def random_init_(self, seed: int = 0, std: float = 0.02) -> None:
         """Fills parameters with N(0, std) and norm weights with 1, for tests that need a
@@ -473,7 +523,7 @@ class LlamaForCausalLM(nn.Module):
         except ValueError:
             self.clear_block_quant_weights()
             raise
-        self._fused_key = self._fused_step = None  # rebuilt with the blocks
+        self._forget_steps()  # rebuilt with the blocks
         return count
 
     def clear_block_quant_weights(self) -> None:
@@ -481,4 +531,4 @@ class LlamaForCausalLM(nn.Module):
         again: the same results). ValueError where a plain weight was dropped."""
         for _, w in self.matmul_weights():
             w.detach_blocks()
-        self._fused_key = self._fused_step = None
+        self._forget_steps()

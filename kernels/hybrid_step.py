@@ -1,0 +1,240 @@
+"""A bf16 hybrid iteration in one C call (kernels/csrc/hybrid_step.c).
+
+At a few hundred rows (a prefill chunk and the running decodes) the per-op path
+(`LlamaForCausalLM.forward` with `NativeCpuOps` and `CpuPagedAttention`) spends a tenth of
+an iteration in Python and torch around its ~300 kernel calls, while the other OpenMP
+threads wait. Where every matmul runs on AMX tiles and prefill chunks take the AMX prefill
+kernel, that path's kernels are exactly these: `HybridStep` runs them in the same order
+in one C function, so the output is bitwise the per-op path's (tested). It is built by
+the model from its weights' tile layouts and KV caches when the backend offers it
+(`CpuPagedAttention.hybrid_step`); `run` returns None wherever it does not apply (one row,
+another dtype, a layout it does not take) and the model takes the per-op path.
+
+The per-layer pointer table is the fused decode step's (kernels.h's
+`DECODE_STEP_LAYER_SLOTS`), each matmul slot holding the weight packed by
+`linear_amx_pack` (`LinearWeight.tiles`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .cpu_attention_kernels import prefill_scratch_elems
+from .cpu_ops import GEMV_MAX_ROWS_TILES
+from .decode_step import MATMULS, DecodeLayerWeights, decode_step_layout, layer_slot_shapes
+from .metadata import AttentionMetadata
+from .native import load_library
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [
+    _P,  # layer pointer table
+    _I,  # num layers
+    _P,  # final norm weight
+    _P,  # x_in [T, hidden]
+    _P,  # out [T, hidden]
+    _P,  # work buffer
+    _P,  # cos [T, D]
+    _P,  # sin_signed [T, D]
+    _P,  # slots [T] int64
+    _P,  # block tables int32
+    _L,  # block table row stride
+    _P,  # q lens [num_seqs] int32
+    _P,  # k lens [num_seqs] int32
+    _I,  # num seqs
+    _I,  # num decodes
+    _I,  # T
+    _I,  # hidden
+    _I,  # H
+    _I,  # Hkv
+    _I,  # D
+    _I,  # inter
+    _I,  # block size
+    _L,  # num blocks
+    _F,  # eps
+    _F,  # scale
+    _P,  # prefill scratch
+]
+
+
+class HybridStep:
+    """A bf16 Llama model's hybrid iteration over fixed weights and KV caches, in one C call.
+
+    layers: each layer's norms and its matmuls as their AMX tile layouts (flat bf16
+    tensors of N * K elements, `LinearWeight.tiles`); kv_caches: per layer (k_cache,
+    v_cache), bf16 [num_blocks, block_size, Hkv, D] contiguous; final_norm: [hidden].
+    Raises ValueError when the kernels are unavailable or a tensor does not fit.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[DecodeLayerWeights],
+        final_norm: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        lib = load_library()
+        if lib is None:
+            raise ValueError("hybrid step unavailable: the native CPU kernels did not build")
+        if not layers or len(layers) != len(kv_caches):
+            raise ValueError(f"{len(layers)} layers for {len(kv_caches)} KV caches")
+        tensors = [final_norm]
+        for weights, caches in zip(layers, kv_caches, strict=True):
+            tensors.extend(weights)
+            tensors.extend(caches)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not (
+                t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+            ):
+                raise ValueError(
+                    "hybrid step: every weight and cache must be a contiguous bf16 CPU tensor"
+                )
+        self.hidden = hidden = final_norm.shape[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.inter = inter = layers[0].down.numel() // hidden
+        self.eps, self.scale = eps, scale
+        k0 = kv_caches[0][0]
+        self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
+        layout = decode_step_layout()
+        shapes = layer_slot_shapes(
+            lib,
+            layout,
+            hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            inter,
+            self.num_blocks,
+            self.block_size,
+        )
+        slot = {name: j for j, name in enumerate(layout.slots)}
+        ptrs: list[int] = []
+        for i, (weights, caches) in enumerate(zip(layers, kv_caches, strict=True)):
+            row = [0] * len(layout.slots)
+            named = [
+                *zip(DecodeLayerWeights._fields, weights),
+                *zip(("k_cache", "v_cache"), caches),
+            ]
+            for name, t in named:
+                want = shapes[name]
+                # a matmul's tile layout is flat: its [N, K] elements in the kernel's order
+                ok = (
+                    t.numel() == math.prod(want) and t.dim() == 1
+                    if name in MATMULS
+                    else tuple(t.shape) == want
+                )
+                if not ok:
+                    raise ValueError(f"layer {i} {name}: shape {tuple(t.shape)}, expected {want}")
+                row[slot[name]] = t.data_ptr()
+            ptrs.extend(row)
+        self._fn = lib.hybrid_step_bf16
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = _I
+        self._work_elems = lib.decode_step_work_elems
+        self._work_elems.argtypes = [_I] * 6
+        self._work_elems.restype = _L
+        self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._num_layers = len(layers)
+        self._keep = tensors  # the table points into these
+        self._final_norm = final_norm.data_ptr()
+        self._work = torch.empty(0, dtype=torch.bfloat16)
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+
+    def _buffer(self, name: str, elems: int) -> torch.Tensor:
+        # a reused buffer grown to the largest iteration seen (fresh pages cost more than
+        # the kernels save on a small iteration)
+        buf: torch.Tensor = getattr(self, name)
+        if buf.numel() < elems:
+            buf = torch.empty(elems, dtype=torch.bfloat16)
+            setattr(self, name, buf)
+        return buf
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Runs every layer and the final norm for a hybrid batch.
+
+        x: [T, hidden] embeddings (decodes first, then the chunks); cos, sin_signed:
+        [T, 1, D] from `rope_cos_sin`; meta: the step's metadata. Writes this step's K/V
+        into the caches and returns the final-normed hidden states [T, hidden], or None
+        (nothing done) where the step does not apply.
+        """
+        t = x.shape[0]
+        tables, lens, slots = meta.block_tables, meta.seq_lens_k, meta.slot_mapping
+        if (
+            t <= GEMV_MAX_ROWS_TILES  # the per-op path's matmuls are not on the tiles
+            or x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or x.shape[1] != self.hidden
+            or not x.is_contiguous()
+            or cos.dtype != torch.bfloat16
+            or sin_signed.dtype != torch.bfloat16
+            or not (cos.is_contiguous() and sin_signed.is_contiguous())
+            or cos.numel() != t * self.head_dim
+            or sin_signed.numel() != t * self.head_dim
+            or tables.dtype != torch.int32
+            or tables.stride(1) != 1
+            or lens.dtype != torch.int32
+            or not lens.is_contiguous()
+            or slots.dtype != torch.int64
+            or not slots.is_contiguous()
+        ):
+            return None
+        nd, num_seqs = meta.num_decodes, meta.num_seqs
+        chunk_k = meta.k_lens[nd:]
+        scratch_elems = (
+            prefill_scratch_elems(max(chunk_k), self.num_kv_heads, self.head_dim) if chunk_k else 0
+        )
+        work_elems = self._work_elems(
+            t, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.inter
+        )
+        work = self._buffer("_work", work_elems)
+        scratch = self._buffer("_scratch", max(scratch_elems, 1))
+        q_lens = (ctypes.c_int32 * num_seqs)(*meta.q_lens)
+        out = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        rc = self._fn(
+            self._table,
+            self._num_layers,
+            self._final_norm,
+            x.data_ptr(),
+            out.data_ptr(),
+            work.data_ptr(),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            q_lens,
+            lens.data_ptr(),
+            num_seqs,
+            nd,
+            t,
+            self.hidden,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.inter,
+            self.block_size,
+            self.num_blocks,
+            self.eps,
+            self.scale,
+            scratch.data_ptr(),
+        )
+        if rc == -2:
+            raise IndexError(
+                f"hybrid step: a slot, sequence length or block id reaches outside the KV "
+                f"cache ({self.num_blocks} blocks of {self.block_size} tokens)"
+            )
+        return out if rc == 0 else None
