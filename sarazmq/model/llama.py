@@ -33,7 +33,7 @@ from torch import nn
 from sarazmq.config import ModelConfig
 from sarazmq.kernels.backend import AttentionBackend
 from sarazmq.kernels.block_quant import BlockQuantWeight, block_quant_kernels_available
-from sarazmq.kernels.decode_step import DecodeLayerWeights, FusedDecodeStep, Matmul
+from sarazmq.kernels.decode_step import FusedDecodeStep
 from sarazmq.kernels.hybrid_step import HybridStep
 from sarazmq.kernels.linear_weight import VARIANTS, LinearWeight
 from sarazmq.kernels.metadata import AttentionMetadata
@@ -41,6 +41,7 @@ from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin
 
 from .hf_names import block_quant_targets, expected_parts, load_hf_tensor
 from .kv_cache import check_tensor_parallel, stage_layers
+from .step_weights import decode_step_weights, hybrid_step_weights
 
 
 def _param(
@@ -310,57 +311,16 @@ class LlamaForCausalLM(nn.Module):
             eps=cfg.rms_norm_eps,
             scale=self.scale,
         )
-        layers = self._decode_layer_weights()
+        if self.tp_size != 1:
+            return  # the steps have no all-reduce
+        layers = decode_step_weights(self.layers)
         if layers is not None:
             self._fused_step = self.attention.fused_decode_step(
                 layers, self.norm, kv_caches, **sizes
             )
-        tiled = self._tile_layer_weights()
+        tiled = hybrid_step_weights(self.layers)
         if tiled is not None:
             self._hybrid_step = self.attention.hybrid_step(tiled, self.norm, kv_caches, **sizes)
-
-    def _tile_layer_weights(self) -> list[DecodeLayerWeights] | None:
-        """Every layer's norms and matmuls' AMX tile layouts; None where a matmul has none
-        or a bias, or with tensor parallelism (the hybrid step has no all-reduce)."""
-        if self.tp_size != 1:
-            return None
-        layers = []
-        for layer in self.layers:
-            tiles: dict[str, Matmul] = {}
-            for name, w in layer.matmuls().items():
-                if w.tiles is None or w.bias is not None:
-                    return None
-                tiles[name] = w.tiles
-            layers.append(
-                DecodeLayerWeights(
-                    input_norm=layer.input_layernorm,
-                    post_norm=layer.post_attention_layernorm,
-                    **tiles,
-                )
-            )
-        return layers
-
-    def _decode_layer_weights(self) -> list[DecodeLayerWeights] | None:
-        """Every layer's weights as a fused step reads them (a matmul as its blocks where
-        it has them, else its plain weight); None where the model does not fit a fused
-        step (tensor parallel, qkv bias, a matmul left with only its packed copy)."""
-        if self.tp_size != 1 or self.layers[0].qkv_proj.bias is not None:
-            return None
-        layers = []
-        for layer in self.layers:
-            matmuls: dict[str, Matmul] = {}
-            for name, w in layer.matmuls().items():
-                if w.blocks is None and not w.has_plain:
-                    return None
-                matmuls[name] = w.blocks if w.blocks is not None else w.plain
-            layers.append(
-                DecodeLayerWeights(
-                    input_norm=layer.input_layernorm,
-                    post_norm=layer.post_attention_layernorm,
-                    **matmuls,
-                )
-            )
-        return layers
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
