@@ -145,16 +145,14 @@ class HybridStep:
         self._num_layers = len(layers)
         self._keep = tensors  # the table points into these
         self._final_norm = final_norm.data_ptr()
-        self._work = torch.empty(0, dtype=torch.bfloat16)
-        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        # reused buffers ("work", "scratch"), grown to the largest iteration seen: fresh
+        # pages every iteration would cost more than the Python this step saves
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, elems: int) -> torch.Tensor:
-        # a reused buffer grown to the largest iteration seen (fresh pages cost more than
-        # the kernels save on a small iteration)
-        buf: torch.Tensor = getattr(self, name)
-        if buf.numel() < elems:
-            buf = torch.empty(elems, dtype=torch.bfloat16)
-            setattr(self, name, buf)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < elems:
+            buf = self._buffers[name] = torch.empty(elems, dtype=torch.bfloat16)
         return buf
 
     def run(
@@ -200,8 +198,8 @@ class HybridStep:
         work_elems = self._work_elems(
             t, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.inter
         )
-        work = self._buffer("_work", work_elems)
-        scratch = self._buffer("_scratch", max(scratch_elems, 1))
+        work = self._buffer("work", work_elems)
+        scratch = self._buffer("scratch", max(scratch_elems, 1))
         q_lens = (ctypes.c_int32 * num_seqs)(*meta.q_lens)
         out = torch.empty((t, self.hidden), dtype=torch.bfloat16)
         rc = self._fn(

@@ -88,9 +88,11 @@ def _batch(step: list[tuple[int, int, int]], seed: int) -> tuple:
 
 
 def _run(model: LlamaForCausalLM, caches: list) -> list[torch.Tensor]:
-    return [
-        model(*_batch(step, i)[:2], caches, _batch(step, i)[2]) for i, step in enumerate(ITERATIONS)
-    ]
+    outs = []
+    for i, step in enumerate(ITERATIONS):
+        ids, positions, meta = _batch(step, i)
+        outs.append(model(ids, positions, caches, meta))
+    return outs
 
 
 def _caches() -> list:
