@@ -6,4 +6,5 @@ bash "$here/scripts/setup.sh"
 venv="${VENV:-$here/.venv}"
 cd "$here"
 "$venv/bin/ruff" check sarazmq kernels procs tests scripts
-exec "$venv/bin/python" -m pytest -q "$@"
+# the slowest tests listed at the end: the suite should stay under ~15 minutes on 2 cores
+exec "$venv/bin/python" -m pytest -q --durations=15 "$@"
