@@ -169,6 +169,40 @@ def layer_slot_shapes(
     return shapes
 
 
+def step_inputs_fit(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    meta: AttentionMetadata,
+    dtype: torch.dtype,
+    hidden: int,
+    head_dim: int,
+) -> bool:
+    """Whether a one-call step (this module's, `sarazmq.kernels.hybrid_step`'s) can read
+    these inputs as its C function does: x [T, hidden] contiguous CPU rows of `dtype`, cos
+    and sin_signed T * head_dim contiguous elements of it, the metadata's block tables
+    int32 with unit column stride, its key lengths int32 and slots int64, contiguous."""
+    t = x.shape[0]
+    tables, lens, slots = meta.block_tables, meta.seq_lens_k, meta.slot_mapping
+    return not (
+        x.dtype != dtype
+        or x.device.type != "cpu"
+        or x.shape[1] != hidden
+        or not x.is_contiguous()
+        or cos.dtype != dtype
+        or sin_signed.dtype != dtype
+        or not (cos.is_contiguous() and sin_signed.is_contiguous())
+        or cos.numel() != t * head_dim
+        or sin_signed.numel() != t * head_dim
+        or tables.dtype != torch.int32
+        or tables.stride(1) != 1
+        or lens.dtype != torch.int32
+        or not lens.is_contiguous()
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+    )
+
+
 class FusedDecodeStep:
     """A Llama model's decode step over fixed weights and KV caches, in one C call.
 
@@ -310,21 +344,7 @@ class FusedDecodeStep:
         if (
             not 1 <= m <= self.max_rows
             or not (m == meta.num_decodes == meta.num_seqs)
-            or x.dtype != self.dtype
-            or x.device.type != "cpu"
-            or x.shape[1] != self.hidden
-            or not x.is_contiguous()
-            or cos.dtype != self.dtype
-            or sin_signed.dtype != self.dtype
-            or not (cos.is_contiguous() and sin_signed.is_contiguous())
-            or cos.numel() != m * self.head_dim
-            or sin_signed.numel() != m * self.head_dim
-            or tables.dtype != torch.int32
-            or tables.stride(1) != 1
-            or lens.dtype != torch.int32
-            or not lens.is_contiguous()
-            or slots.dtype != torch.int64
-            or not slots.is_contiguous()
+            or not step_inputs_fit(x, cos, sin_signed, meta, self.dtype, self.hidden, self.head_dim)
         ):
             return None
         work = self._work.get(m)

@@ -25,7 +25,13 @@ import torch
 
 from .cpu_attention_kernels import prefill_scratch_elems
 from .cpu_ops import GEMV_MAX_ROWS_TILES
-from .decode_step import MATMULS, DecodeLayerWeights, decode_step_layout, layer_slot_shapes
+from .decode_step import (
+    MATMULS,
+    DecodeLayerWeights,
+    decode_step_layout,
+    layer_slot_shapes,
+    step_inputs_fit,
+)
 from .metadata import AttentionMetadata
 from .native import load_library
 
@@ -170,26 +176,11 @@ class HybridStep:
         (nothing done) where the step does not apply.
         """
         t = x.shape[0]
-        tables, lens, slots = meta.block_tables, meta.seq_lens_k, meta.slot_mapping
-        if (
-            t <= GEMV_MAX_ROWS_TILES  # the per-op path's matmuls are not on the tiles
-            or x.dtype != torch.bfloat16
-            or x.device.type != "cpu"
-            or x.shape[1] != self.hidden
-            or not x.is_contiguous()
-            or cos.dtype != torch.bfloat16
-            or sin_signed.dtype != torch.bfloat16
-            or not (cos.is_contiguous() and sin_signed.is_contiguous())
-            or cos.numel() != t * self.head_dim
-            or sin_signed.numel() != t * self.head_dim
-            or tables.dtype != torch.int32
-            or tables.stride(1) != 1
-            or lens.dtype != torch.int32
-            or not lens.is_contiguous()
-            or slots.dtype != torch.int64
-            or not slots.is_contiguous()
+        if t <= GEMV_MAX_ROWS_TILES or not step_inputs_fit(
+            x, cos, sin_signed, meta, torch.bfloat16, self.hidden, self.head_dim
         ):
-            return None
+            return None  # one row: the per-op path's matmuls are not on the tiles there
+        tables, lens, slots = meta.block_tables, meta.seq_lens_k, meta.slot_mapping
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         chunk_k = meta.k_lens[nd:]
         scratch_elems = (
