@@ -21,7 +21,10 @@
  * SwiGLU (linear_amx_silu_mul_bf16): the same loop over a gate/up weight, its two column
  * blocks a gate block and the up block of the same columns, the activation computed from
  * the rounded products in the epilogue (silu_mul16_bf16, as silu_mul_bf16): the MLP's
- * [rows][2 * inter] intermediate is neither written nor read back.
+ * [rows][2 * inter] intermediate is neither written nor read back. The activation's
+ * exp and division take about as long as the tile products of the same outputs, so each
+ * group's epilogue is deferred and computed a few rows per k step of the next group's
+ * products (the vector units run beside the tile unit), the last one at the end.
  */
 #include <stdlib.h>
 
@@ -56,20 +59,47 @@ static inline void store_row_bf16(uint16_t *y, __m512 sums) {
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sums));
 }
 
+/* A SwiGLU group's sums waiting for their epilogue: acc[0], acc[1] the gate and up sums
+ * of its first 16-row block, acc[2], acc[3] of the second; rows done so far of `rows`. */
+typedef struct {
+    __attribute__((aligned(64))) float acc[4][16 * 16];
+    uint16_t *y; /* the group's first output: row m0, column n0 */
+    long y_stride;
+    int rows0, rows, done;
+} PendingSwiglu;
+
+/* The next up to `count` rows of the pending epilogue (all of them: count = rows). */
+static inline void drain_swiglu(PendingSwiglu *p, int count) {
+    const int end = p->done + count < p->rows ? p->done + count : p->rows;
+    for (int r = p->done; r < end; r++) {
+        const int blk = r >= p->rows0, rr = r - blk * p->rows0;
+        const __m512 g = bf16x16_round(_mm512_load_ps(p->acc[2 * blk] + rr * 16));
+        const __m512 u = bf16x16_round(_mm512_load_ps(p->acc[2 * blk + 1] + rr * 16));
+        _mm256_storeu_si256((__m256i *)(p->y + (long)r * p->y_stride),
+                            (__m256i)_mm512_cvtneps_pbh(silu_mul16_bf16(g, u)));
+    }
+    p->done = end;
+}
+
 /* Two 16-column blocks of the product for rows m0 .. m0 + rows0 + rows1. Tiles 6 and 7
  * stream the blocks' packed weights: w6, w7 point at their first 1 KB tile, each next k
  * step's is 2 KB on (the layout's [K / 32][2 columns of 16] order). OUT_BF16 and
  * OUT_F32 (y then float *): the blocks are columns n0 .. n0 + 31 of y. OUT_SWIGLU: w6 is
  * a gate block and w7 the up block of the same columns, and y gets silu(gate) * up in its
  * 16 columns n0 .. n0 + 15, each product first rounded to bf16 as the plain output would
- * be, so the result is bitwise the plain matmul followed by silu_mul_bf16. pf6, pf7: where the
- * weight prefetches of w6's and w7's streams start (NULL: none). */
+ * be, so the result is bitwise the plain matmul followed by silu_mul_bf16; the epilogue
+ * of the previous group in `pending` runs during the k steps, and this group's sums are
+ * left in it. pf6, pf7: where the weight prefetches of w6's and w7's streams start (NULL:
+ * none). */
 static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_t *w6,
                                  const uint32_t *w7, int K, void *y, long y_stride,
                                  int m0, int rows0, int rows1, int n0, int mode,
-                                 const char *pf6, const char *pf7, const char *prefetch_end) {
+                                 const char *pf6, const char *pf7, const char *prefetch_end,
+                                 PendingSwiglu *pending) {
     __attribute__((aligned(64))) float acc[2][16 * 16];
     const int KB = K / 32;
+    /* rows of the pending epilogue per k step: all of it within the first KB - 1 */
+    const int drain_per_step = pending ? (pending->rows - pending->done + KB - 1) / KB : 0;
     const long xs = x_stride * 2; /* bytes */
     const uint16_t *x0 = x + (long)m0 * x_stride, *x1 = x0 + 16 * x_stride;
     _tile_zero(0);
@@ -92,6 +122,22 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (drain_per_step > 0) drain_swiglu(pending, drain_per_step);
+    }
+    if (pending) {
+        drain_swiglu(pending, pending->rows);
+        _tile_stored(0, pending->acc[0], 64);
+        _tile_stored(1, pending->acc[1], 64);
+        if (rows1 > 0) {
+            _tile_stored(2, pending->acc[2], 64);
+            _tile_stored(3, pending->acc[3], 64);
+        }
+        pending->y = (uint16_t *)y + (long)m0 * y_stride + n0;
+        pending->y_stride = y_stride;
+        pending->rows0 = rows0;
+        pending->rows = rows0 + rows1;
+        pending->done = 0;
+        return;
     }
     for (int blk = 0; blk < 2; blk++) { /* row blocks */
         const int rows = blk == 0 ? rows0 : rows1;
@@ -107,11 +153,7 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
             _tile_stored(3, acc[1], 64);
         }
         for (int r = 0; r < rows; r++) {
-            if (mode == OUT_SWIGLU) {
-                const __m512 g = bf16x16_round(_mm512_load_ps(acc[0] + r * 16));
-                const __m512 u = bf16x16_round(_mm512_load_ps(acc[1] + r * 16));
-                store_row_bf16(yb + r * y_stride, silu_mul16_bf16(g, u));
-            } else if (mode == OUT_F32) {
+            if (mode == OUT_F32) {
                 _mm512_storeu_ps(yf + r * y_stride, bf16x16_round(_mm512_load_ps(acc[0] + r * 16)));
                 _mm512_storeu_ps(yf + r * y_stride + 16,
                                  bf16x16_round(_mm512_load_ps(acc[1] + r * 16)));
@@ -139,6 +181,7 @@ static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, void
 #endif
         const int u_begin = (int)((long)units * t / nt), u_end = (int)((long)units * (t + 1) / nt);
         int configured = -1; /* the rows of the tail group the tiles are configured for */
+        PendingSwiglu pending = {.rows = 0, .done = 0};
         for (int u = u_begin; u < u_end; u++) {
             const uint32_t *w6, *w7;
             if (mode == OUT_SWIGLU) { /* 16-column block j sits in pair j / 2, half j % 2 */
@@ -164,9 +207,11 @@ static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, void
                 column_blocks(x, x_stride, w6, w7, K, y, y_stride, m0, rows0, rows1,
                               mode == OUT_SWIGLU ? 16 * u : 32 * u, mode,
                               first ? (const char *)w6 + PREFETCH_AHEAD : NULL,
-                              first ? (const char *)w7 + PREFETCH_AHEAD : NULL, w_end);
+                              first ? (const char *)w7 + PREFETCH_AHEAD : NULL, w_end,
+                              mode == OUT_SWIGLU ? &pending : NULL);
             }
         }
+        drain_swiglu(&pending, pending.rows);
         _tile_release();
     }
 }
