@@ -1,8 +1,9 @@
-"""The C entry points of kernels/csrc/cpu_attention.c, wrapped for torch tensors: decode
-attention straight from the paged cache, bf16 prefill attention over a chunk and its
-cached context, KV cache writes and block gathers. Each returns False / None (nothing
-written) where its kernel does not apply, so that `CpuPagedAttention` keeps the torch path
-there, and raises IndexError (nothing written) for an index outside the cache.
+"""The C entry points of kernels/csrc/cpu_attention.c, prefill_attention.c and
+kv_cache_copy.c, wrapped for torch tensors: decode attention straight from the paged
+cache, bf16 prefill attention over a chunk and its cached context, KV cache writes and
+block gathers. Each returns False / None (nothing written) where its kernel does not
+apply, so that `CpuPagedAttention` keeps the torch path there, and raises IndexError
+(nothing written) for an index outside the cache.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ _WRITE_ARGTYPES = [
 
 
 class _Kernels:
-    """The C entry points of cpu_attention.c with their signatures, resolved once."""
+    """The attention kernels' C entry points with their signatures, resolved once."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.decode: dict[torch.dtype, ctypes._CFuncPtr] = {}

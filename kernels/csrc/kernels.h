@@ -68,10 +68,13 @@ int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_
                                    long table_stride, const int32_t *lens, uint16_t *out,
                                    int nd, int H, int Hkv, int D, int block_size, float scale,
                                    long num_blocks);
+
+/* kv_cache_copy.c */
 int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, char *k_cache,
                    char *v_cache, const int64_t *slots, long num_tokens, long row_elems,
                    long elem_size, long num_slots);
 
+/* prefill_attention.c */
 /* The prefill kernels' argument checks: 0 fine; -1 sizes they do not take (head size 64
  * or 128, H a multiple of Hkv, 1 <= q_len <= k_len); -2 a block id outside the cache */
 int prefill_check(const int32_t *table, int q_len, int k_len, int H, int Hkv, int D,

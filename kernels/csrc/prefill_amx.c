@@ -1,7 +1,7 @@
 /* Prefill attention for bf16 on CPUs with AMX (Intel Sapphire Rapids and later): one chunk
  * of q_len queries at absolute positions k_len - q_len .. k_len - 1 over all k_len keys of
  * its sequence, read from the paged cache (the chunk's own K/V already written there),
- * causal. The same contract as prefill_attention_bf16 (cpu_attention.c), whose packed K/V
+ * causal. The same contract as prefill_attention_bf16 (prefill_attention.c), whose packed K/V
  * layouts are exactly AMX's B-tile ("VNNI") layouts: K as [D/2 dim pairs][16 keys] and V
  * as [8 key pairs][D] of 32-bit words.
  *

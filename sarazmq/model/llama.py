@@ -41,7 +41,7 @@ from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin
 
 from .hf_names import block_quant_targets, expected_parts, load_hf_tensor
 from .kv_cache import check_tensor_parallel, stage_layers
-from .step_weights import decode_step_weights, hybrid_step_weights
+from .step_weights import OneCallSteps
 
 
 def _param(
@@ -151,13 +151,9 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, tp_size, dtype, device) for _ in self.layer_range
         )
         # decode steps of a few sequences and hybrid iterations through the backend's
-        # one-call steps where it has them (EngineConfig.enforce_eager turns them off);
-        # the steps are built for these weights and the KV caches they were given (see
-        # fused_decode_step), under a key
+        # one-call steps where it has them (EngineConfig.enforce_eager turns them off)
         self.fused_decode = True
-        self._fused_step: FusedDecodeStep | None = None
-        self._hybrid_step: HybridStep | None = None
-        self._fused_key: tuple[int, ...] | None = None
+        self.one_call_steps = OneCallSteps()
         # float32 always: angles must not be rounded to the run dtype before cos/sin
         self.register_buffer(
             "cos_sin_cache",
@@ -280,47 +276,16 @@ class LlamaForCausalLM(nn.Module):
         stay the same; None where the backend has none or the model does not fit it
         (tensor parallel, qkv bias). `forward` runs it for decode-only batches (unless
         `fused_decode` is off) where it takes the batch."""
-        self._build_steps(kv_caches)
-        return self._fused_step
+        self.one_call_steps.build(self, kv_caches)
+        return self.one_call_steps.fused
 
     def hybrid_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> HybridStep | None:
         """The attention backend's one-call hybrid iteration (`AttentionBackend.hybrid_step`)
         for these weights and caches, kept as `fused_decode_step` is; None where the
         backend has none or a matmul has no AMX tile layout. `forward` runs it for batches
         of more than one row (unless `fused_decode` is off) where it takes the batch."""
-        self._build_steps(kv_caches)
-        return self._hybrid_step
-
-    def _forget_steps(self) -> None:
-        """The weights changed: the one-call steps are rebuilt on next use."""
-        self._fused_key = self._fused_step = self._hybrid_step = None
-
-    def _build_steps(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self.norm is None or self.pp_size != 1:
-            return  # a stage before the last: the steps end in the final norm
-        key = (id(kv_caches), kv_caches[0][0].data_ptr(), self.norm.data_ptr())
-        if key == self._fused_key:
-            return
-        self._forget_steps()
-        self._fused_key = key
-        cfg = self.config
-        sizes: dict[str, Any] = dict(
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            eps=cfg.rms_norm_eps,
-            scale=self.scale,
-        )
-        if self.tp_size != 1:
-            return  # the steps have no all-reduce
-        layers = decode_step_weights(self.layers)
-        if layers is not None:
-            self._fused_step = self.attention.fused_decode_step(
-                layers, self.norm, kv_caches, **sizes
-            )
-        tiled = hybrid_step_weights(self.layers)
-        if tiled is not None:
-            self._hybrid_step = self.attention.hybrid_step(tiled, self.norm, kv_caches, **sizes)
+        self.one_call_steps.build(self, kv_caches)
+        return self.one_call_steps.hybrid
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -371,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         Returns whether weights were packed.
         """
         tiles = self.attention.ops.reads_tiles
-        self._forget_steps()  # rebuilt for what the per-op path reads
+        self.one_call_steps.forget()  # rebuilt for what the per-op path reads
         return all([w.prepack(tiles=tiles) for _, w in self.matmul_weights()])
 
     def drop_unused_plain_weights(self) -> int:
@@ -387,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
                 w.drop_plain()
                 dropped += 1
         if dropped:
-            self._forget_steps()  # rebuilt without them
+            self.one_call_steps.forget()  # rebuilt without them
         return dropped
 
     # ------------------------------------------------------------------ loading
@@ -401,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
                     "load into a new model"
                 )
             w.variants_changed()
-        self._forget_steps()
+        self.one_call_steps.forget()
 
     def random_init_(self, seed: int = 0, std: float = 0.02) -> None:
         """Fills parameters with N(0, std) and norm weights with 1, for tests that need a
@@ -483,7 +448,7 @@ class LlamaForCausalLM(nn.Module):
         except ValueError:
             self.clear_block_quant_weights()
             raise
-        self._forget_steps()  # rebuilt with the blocks
+        self.one_call_steps.forget()  # rebuilt with the blocks
         return count
 
     def clear_block_quant_weights(self) -> None:
@@ -491,4 +456,4 @@ class LlamaForCausalLM(nn.Module):
         again: the same results). ValueError where a plain weight was dropped."""
         for _, w in self.matmul_weights():
             w.detach_blocks()
-        self._forget_steps()
+        self.one_call_steps.forget()

@@ -1,13 +1,17 @@
-"""What the model's one-call steps read of its layers (`LlamaForCausalLM.fused_decode_step`
-and `LlamaForCausalLM.hybrid_step`): per layer its norms and each matmul in the form the
-step's kernels take."""
+"""The model's one-call steps (`LlamaForCausalLM.fused_decode_step` and
+`LlamaForCausalLM.hybrid_step`): what they read of its layers (per layer its norms and
+each matmul in the form the step's kernels take) and `OneCallSteps`, which builds them
+from the attention backend and keeps them while the weights and KV caches stay."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sarazmq.kernels.decode_step import DecodeLayerWeights, Matmul
+import torch
+
+from sarazmq.kernels.decode_step import DecodeLayerWeights, FusedDecodeStep, Matmul
+from sarazmq.kernels.hybrid_step import HybridStep
 from sarazmq.kernels.linear_weight import LinearWeight
 
 
@@ -45,3 +49,47 @@ def hybrid_step_weights(layers: Iterable[Any]) -> list[DecodeLayerWeights] | Non
     """The hybrid step's view: each matmul's AMX tile layout; None where one has none, or
     has a bias."""
     return _layer_weights(layers, lambda w: w.tiles)
+
+
+class OneCallSteps:
+    """A model's fused decode step and hybrid step, built on first use for its weights and
+    the KV caches they are given, and kept while both stay the same (the caches' identity
+    and storage, the final norm's storage); `forget` drops them when the weights change.
+    `fused` / `hybrid` are None where the backend has no such step or the model does not
+    fit it (a stage before the last, tensor parallel, a matmul bias, no AMX tile layout)."""
+
+    def __init__(self) -> None:
+        self.fused: FusedDecodeStep | None = None
+        self.hybrid: HybridStep | None = None
+        self._key: tuple[int, ...] | None = None
+
+    def forget(self) -> None:
+        """The weights changed: both steps are rebuilt on next use."""
+        self._key = self.fused = self.hybrid = None
+
+    def build(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Builds the steps of `model` (a `LlamaForCausalLM`) for these caches, unless they
+        were built for them already."""
+        if model.norm is None or model.pp_size != 1:
+            return  # a stage before the last: the steps end in the final norm
+        key = (id(kv_caches), kv_caches[0][0].data_ptr(), model.norm.data_ptr())
+        if key == self._key:
+            return
+        self.forget()
+        self._key = key
+        if model.tp_size != 1:
+            return  # the steps have no all-reduce
+        cfg = model.config
+        sizes: dict[str, Any] = dict(
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            scale=model.scale,
+        )
+        layers = decode_step_weights(model.layers)
+        if layers is not None:
+            self.fused = model.attention.fused_decode_step(layers, model.norm, kv_caches, **sizes)
+        tiled = hybrid_step_weights(model.layers)
+        if tiled is not None:
+            self.hybrid = model.attention.hybrid_step(tiled, model.norm, kv_caches, **sizes)
