@@ -45,6 +45,9 @@ from sarazmq.sampling_params import SamplingParams
 Prompt = str | Sequence[int]
 
 
+# frames the reader takes in a row before it lets the event loop run other tasks
+READ_BATCH = 256
+
 _MONITOR_EVENTS = (
     zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -151,6 +154,10 @@ class AsyncClient:
     async def _read_loop(self) -> None:
         assert self._sock is not None  # set before the task starts
         sock = self._sock
+        # the same socket without the asyncio layer: once a poll says frames are waiting,
+        # they are taken without a future and a poller registration each (the asyncio
+        # socket's next poll checks for frames already there, so none is missed)
+        frames = zmq.Socket.shadow(sock.underlying)
         while True:
             if await sock.poll(timeout=250) == 0:
                 pending = self._queues or self._stats_waiters
@@ -166,26 +173,34 @@ class AsyncClient:
                 if not pending:
                     self._last_heard = time.monotonic()
                 continue
-            frame = await sock.recv()
             self._last_heard = time.monotonic()
-            try:
-                msg = self._decoder.decode(frame)
-            except Exception:  # noqa: BLE001 - DecodeError, RecursionError: not ours to crash on
-                continue
-            if isinstance(msg, OutputDelta):
-                q = self._queues.get(msg.request_id)
-                if q is not None:
-                    q.put_nowait(msg)
-            elif isinstance(msg, StatsReply):
-                fut = self._stats_waiters.pop(msg.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.stats)
-            elif isinstance(msg, Heartbeat):
-                # proof that this client still reads; NOBLOCK: never wait on the engine
-                with contextlib.suppress(zmq.ZMQError):
-                    await sock.send(self._encoder.encode(Pong(time=msg.time)), zmq.NOBLOCK)
-            elif isinstance(msg, ProtocolError):
-                self._fail_all(EngineError(f"engine rejected a frame: {msg.error}"))
+            # at most READ_BATCH frames before the event loop runs anything else
+            for _ in range(READ_BATCH):
+                try:
+                    frame = frames.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle_frame(frame, frames)
+
+    def _handle_frame(self, frame: bytes, sock: zmq.Socket) -> None:
+        try:
+            msg = self._decoder.decode(frame)
+        except Exception:  # noqa: BLE001 - DecodeError, RecursionError: not ours to crash on
+            return
+        if isinstance(msg, OutputDelta):
+            q = self._queues.get(msg.request_id)
+            if q is not None:
+                q.put_nowait(msg)
+        elif isinstance(msg, StatsReply):
+            fut = self._stats_waiters.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.stats)
+        elif isinstance(msg, Heartbeat):
+            # proof that this client still reads; NOBLOCK: never wait on the engine
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(self._encoder.encode(Pong(time=msg.time)), zmq.NOBLOCK)
+        elif isinstance(msg, ProtocolError):
+            self._fail_all(EngineError(f"engine rejected a frame: {msg.error}"))
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         """Fails pending requests as soon as the connection drops or a handshake fails."""
