@@ -75,8 +75,7 @@ static inline void drain_swiglu(PendingSwiglu *p, int count) {
         const int blk = r >= p->rows0, rr = r - blk * p->rows0;
         const __m512 g = bf16x16_round(_mm512_load_ps(p->acc[2 * blk] + rr * 16));
         const __m512 u = bf16x16_round(_mm512_load_ps(p->acc[2 * blk + 1] + rr * 16));
-        _mm256_storeu_si256((__m256i *)(p->y + (long)r * p->y_stride),
-                            (__m256i)_mm512_cvtneps_pbh(silu_mul16_bf16(g, u)));
+        store_row_bf16(p->y + (long)r * p->y_stride, silu_mul16_bf16(g, u));
     }
     p->done = end;
 }
@@ -98,7 +97,7 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
                                  PendingSwiglu *pending) {
     __attribute__((aligned(64))) float acc[2][16 * 16];
     const int KB = K / 32;
-    /* rows of the pending epilogue per k step: all of it within the first KB - 1 */
+    /* rows of the pending epilogue per k step: spread over this group's k steps */
     const int drain_per_step = pending ? (pending->rows - pending->done + KB - 1) / KB : 0;
     const long xs = x_stride * 2; /* bytes */
     const uint16_t *x0 = x + (long)m0 * x_stride, *x1 = x0 + 16 * x_stride;

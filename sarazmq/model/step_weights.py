@@ -6,13 +6,16 @@ from the attention backend and keeps them while the weights and KV caches stay."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sarazmq.kernels.decode_step import DecodeLayerWeights, FusedDecodeStep, Matmul
 from sarazmq.kernels.hybrid_step import HybridStep
 from sarazmq.kernels.linear_weight import LinearWeight
+
+if TYPE_CHECKING:
+    from .llama import LlamaForCausalLM
 
 
 def _layer_weights(
@@ -67,9 +70,11 @@ class OneCallSteps:
         """The weights changed: both steps are rebuilt on next use."""
         self._key = self.fused = self.hybrid = None
 
-    def build(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Builds the steps of `model` (a `LlamaForCausalLM`) for these caches, unless they
-        were built for them already."""
+    def build(
+        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Builds the steps of `model` for these caches, unless they were built for them
+        already."""
         if model.norm is None or model.pp_size != 1:
             return  # a stage before the last: the steps end in the final norm
         key = (id(kv_caches), kv_caches[0][0].data_ptr(), model.norm.data_ptr())
