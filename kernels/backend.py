@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .cpu_ops import HotOps
-from .decode_step import DecodeLayerWeights, FusedDecodeStep
+from .decode_step import DecodeLayerWeights, FusedDecodeStep, StepSizes
 from .hybrid_step import HybridStep
 from .metadata import AttentionMetadata
 
@@ -49,19 +49,15 @@ class AttentionBackend(Protocol):
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> FusedDecodeStep | None:
         """A Llama model's whole decode step over these weights and caches in one call
         (`sarazmq.kernels.decode_step`), running the kernels `forward` and `ops` run op by
         op; None where the backend has none or cannot build it for these tensors.
 
         layers: per layer, its weights (a matmul as its plain tensor or its quantized
-        blocks); final_norm: [hidden]; kv_caches: per layer (k_cache, v_cache).
+        blocks); final_norm: [hidden]; kv_caches: per layer (k_cache, v_cache); sizes: the
+        model's head counts, head size, norm epsilon and attention scale.
         """
         ...
 
@@ -70,12 +66,7 @@ class AttentionBackend(Protocol):
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> HybridStep | None:
         """A Llama model's whole hybrid iteration over these weights and caches in one call
         (`sarazmq.kernels.hybrid_step`), running the kernels `forward` and `ops` run op by

@@ -32,7 +32,7 @@ from .cpu_attention_kernels import (
     write_kv_cache_native,
 )
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
-from .decode_step import DecodeLayerWeights, FusedDecodeStep
+from .decode_step import DecodeLayerWeights, FusedDecodeStep, StepSizes
 from .hybrid_step import HybridStep
 from .kv_int8 import is_int8_cache, write_kv_int8_native
 from .metadata import AttentionMetadata
@@ -71,12 +71,7 @@ class CpuPagedAttention(TorchPagedAttention):
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> FusedDecodeStep | None:
         """A Llama model's whole decode step in one native call (see
         `sarazmq.kernels.decode_step`), running the kernels this backend and its `ops` run
@@ -89,11 +84,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 layers,
                 final_norm,
                 kv_caches,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                eps=eps,
-                scale=scale,
+                sizes,
             )
         except ValueError:
             return None
@@ -103,12 +94,7 @@ class CpuPagedAttention(TorchPagedAttention):
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> HybridStep | None:
         """A Llama model's hybrid iteration in one native call (see
         `sarazmq.kernels.hybrid_step`) where this backend's per-op path runs exactly its
@@ -126,11 +112,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 layers,
                 final_norm,
                 kv_caches,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                eps=eps,
-                scale=scale,
+                sizes,
             )
         except ValueError:
             return None

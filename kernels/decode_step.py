@@ -107,6 +107,17 @@ class DecodeLayerWeights(NamedTuple):
 MATMULS = ("qkv", "o", "gate_up", "down")  # the DecodeLayerWeights fields that are matmuls
 
 
+class StepSizes(NamedTuple):
+    """A model's sizes and constants that its one-call steps (the fused decode step, the
+    hybrid step) take besides its tensors."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float  # RMSNorm epsilon
+    scale: float  # attention softmax scale
+
+
 class DecodeStepLayout(NamedTuple):
     """decode_step.c's per-layer table: slot names in table order, and the matmuls in the
     order of a layer's row of the formats table."""
@@ -207,8 +218,9 @@ class FusedDecodeStep:
     """A Llama model's decode step over fixed weights and KV caches, in one C call.
 
     layers: each layer's weights; kv_caches: per layer (k_cache, v_cache), each
-    [num_blocks, block_size, Hkv, D] contiguous; final_norm: [hidden]. Raises ValueError
-    when the kernels are unavailable or a tensor does not fit (dtype, device, layout).
+    [num_blocks, block_size, Hkv, D] contiguous; final_norm: [hidden]; sizes: the model's
+    `StepSizes`. Raises ValueError when the kernels are unavailable or a tensor does not
+    fit (dtype, device, layout).
     """
 
     def __init__(
@@ -216,12 +228,7 @@ class FusedDecodeStep:
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> None:
         lib = load_library()
         if lib is None:
@@ -253,9 +260,10 @@ class FusedDecodeStep:
         tensors.extend(cache_tensors)
         self.dtype = dtype
         self.hidden = hidden = final_norm.shape[0]
+        num_heads, num_kv_heads, head_dim = sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.inter = inter = layers[0].down.shape[1]
-        self.eps, self.scale = eps, scale
+        self.eps, self.scale = sizes.eps, sizes.scale
         k0 = kv_caches[0][0]
         self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
         # the C step reads every shape blindly: check each tensor against the shape the

@@ -24,7 +24,7 @@ from .metadata import AttentionMetadata
 from .torch_attention import write_kv_cache
 
 if TYPE_CHECKING:
-    from .decode_step import DecodeLayerWeights, FusedDecodeStep
+    from .decode_step import DecodeLayerWeights, FusedDecodeStep, StepSizes
     from .hybrid_step import HybridStep
 
 # flash-attn 2 paged KV requires page_block_size % 256 == 0
@@ -112,12 +112,7 @@ class FlashAttnPagedAttention:
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> FusedDecodeStep | None:
         """None: decode steps run op by op here (see `AttentionBackend.fused_decode_step`)."""
         return None

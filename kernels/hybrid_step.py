@@ -28,6 +28,7 @@ from .cpu_ops import GEMV_MAX_ROWS_TILES
 from .decode_step import (
     MATMULS,
     DecodeLayerWeights,
+    StepSizes,
     decode_step_layout,
     layer_slot_shapes,
     step_inputs_fit,
@@ -71,8 +72,9 @@ class HybridStep:
 
     layers: each layer's norms and its matmuls as their AMX tile layouts (flat bf16
     tensors of N * K elements, `LinearWeight.tiles`); kv_caches: per layer (k_cache,
-    v_cache), bf16 [num_blocks, block_size, Hkv, D] contiguous; final_norm: [hidden].
-    Raises ValueError when the kernels are unavailable or a tensor does not fit.
+    v_cache), bf16 [num_blocks, block_size, Hkv, D] contiguous; final_norm: [hidden];
+    sizes: the model's `StepSizes`. Raises ValueError when the kernels are unavailable or a
+    tensor does not fit.
     """
 
     def __init__(
@@ -80,12 +82,7 @@ class HybridStep:
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> None:
         lib = load_library()
         if lib is None:
@@ -104,9 +101,10 @@ class HybridStep:
                     "hybrid step: every weight and cache must be a contiguous bf16 CPU tensor"
                 )
         self.hidden = hidden = final_norm.shape[0]
+        num_heads, num_kv_heads, head_dim = sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.inter = inter = layers[0].down.numel() // hidden
-        self.eps, self.scale = eps, scale
+        self.eps, self.scale = sizes.eps, sizes.scale
         k0 = kv_caches[0][0]
         self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
         layout = decode_step_layout()

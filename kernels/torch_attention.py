@@ -19,7 +19,7 @@ from .kv_int8 import dequantize_kv_rows, is_int8_cache, quantize_kv_rows
 from .metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from .decode_step import DecodeLayerWeights, FusedDecodeStep
+    from .decode_step import DecodeLayerWeights, FusedDecodeStep, StepSizes
     from .hybrid_step import HybridStep
 
 
@@ -187,12 +187,7 @@ class TorchPagedAttention:
         layers: Sequence[DecodeLayerWeights],
         final_norm: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        eps: float,
-        scale: float,
+        sizes: StepSizes,
     ) -> FusedDecodeStep | None:
         """None: decode steps run op by op here (see `AttentionBackend.fused_decode_step`)."""
         return None

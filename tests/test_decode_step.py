@@ -13,7 +13,12 @@ from sarazmq.config import ModelConfig
 from sarazmq.kernels import AttentionBackend, CpuPagedAttention
 from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available
 from sarazmq.kernels.cpu_ops import GEMV_MAX_ROWS
-from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, DecodeLayerWeights, FusedDecodeStep
+from sarazmq.kernels.decode_step import (
+    FUSED_MAX_ROWS,
+    DecodeLayerWeights,
+    FusedDecodeStep,
+    StepSizes,
+)
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.model.kv_cache import allocate_kv_cache
@@ -207,16 +212,16 @@ def test_fused_step_refuses_tensors_of_the_wrong_shape() -> None:
         )
         for layer in model.layers
     ]
-    dims = dict(num_heads=4, num_kv_heads=2, head_dim=16, eps=1e-5, scale=0.25)
-    FusedDecodeStep(layers, model.norm, caches, **dims)  # the right shapes build
+    sizes = StepSizes(num_heads=4, num_kv_heads=2, head_dim=16, eps=1e-5, scale=0.25)
+    FusedDecodeStep(layers, model.norm, caches, sizes)  # the right shapes build
     bad = list(layers)
     bad[1] = bad[1]._replace(o=torch.zeros(64, 32))
     with pytest.raises(ValueError, match=r"layer 1 o: shape \(64, 32\), expected \(64, 64\)"):
-        FusedDecodeStep(bad, model.norm, caches, **dims)
+        FusedDecodeStep(bad, model.norm, caches, sizes)
     short = list(caches)
     short[2] = (caches[2][0][:8].contiguous(), caches[2][1])
     with pytest.raises(ValueError, match="layer 2 KV cache"):
-        FusedDecodeStep(layers, model.norm, short, **dims)
+        FusedDecodeStep(layers, model.norm, short, sizes)
 
 
 def test_fused_step_is_rebuilt_for_new_caches_and_weights() -> None:

@@ -18,7 +18,7 @@ from sarazmq.kernels import AttentionBackend, CpuPagedAttention, TorchPagedAtten
 from sarazmq.kernels.block_quant import block_quant_kernels_available, from_gguf_blocks
 from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available
 from sarazmq.kernels.cpu_ops import TORCH_OPS, NativeCpuOps
-from sarazmq.kernels.decode_step import DecodeLayerWeights, decode_step_layout
+from sarazmq.kernels.decode_step import DecodeLayerWeights, StepSizes, decode_step_layout
 from sarazmq.kernels.flash_attn_backend import FlashAttnPagedAttention
 from sarazmq.kernels.linear_weight import LinearWeight
 from sarazmq.kernels.ops import can_prepack_linear
@@ -132,10 +132,10 @@ def test_every_backend_is_an_attention_backend() -> None:
     # flash-attn is not installed here: its class has the whole interface
     for attr in ("name", "ops", "forward", "fused_decode_step"):
         assert hasattr(FlashAttnPagedAttention, attr)
-    assert TorchPagedAttention().fused_decode_step([], torch.zeros(1), [], **_DIMS) is None
+    assert TorchPagedAttention().fused_decode_step([], torch.zeros(1), [], _SIZES) is None
 
 
-_DIMS = dict(num_heads=1, num_kv_heads=1, head_dim=2, eps=1e-5, scale=1.0)
+_SIZES = StepSizes(num_heads=1, num_kv_heads=1, head_dim=2, eps=1e-5, scale=1.0)
 
 
 @needs_native

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sarazmq.kernels.decode_step import DecodeLayerWeights, FusedDecodeStep, Matmul
+from sarazmq.kernels.decode_step import DecodeLayerWeights, FusedDecodeStep, Matmul, StepSizes
 from sarazmq.kernels.hybrid_step import HybridStep
 from sarazmq.kernels.linear_weight import LinearWeight
 
@@ -85,16 +85,12 @@ class OneCallSteps:
         if model.tp_size != 1:
             return  # the steps have no all-reduce
         cfg = model.config
-        sizes: dict[str, Any] = dict(
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            eps=cfg.rms_norm_eps,
-            scale=model.scale,
+        sizes = StepSizes(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale
         )
         layers = decode_step_weights(model.layers)
         if layers is not None:
-            self.fused = model.attention.fused_decode_step(layers, model.norm, kv_caches, **sizes)
+            self.fused = model.attention.fused_decode_step(layers, model.norm, kv_caches, sizes)
         tiled = hybrid_step_weights(model.layers)
         if tiled is not None:
-            self.hybrid = model.attention.hybrid_step(tiled, model.norm, kv_caches, **sizes)
+            self.hybrid = model.attention.hybrid_step(tiled, model.norm, kv_caches, sizes)
