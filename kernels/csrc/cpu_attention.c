@@ -248,10 +248,11 @@ static inline __attribute__((always_inline)) void bf16_store_out_in_order(const 
             const KT *kb = k_cache + (long)table[blk] * block_elems + (long)off * tok_stride + \
                            (long)h0 * RD;                                                      \
             const KT *vb = v_cache + (kb - k_cache);                                           \
-            /* The next block's rows at this run's offsets are requested one (row, head) \
-             * at a time between the dot products and the V updates below: spread out,    \
-             * the requests overlap the math; a block's worth at once stalls it (much     \
-             * slower, docs/KERNELS.md). */                                               \
+            /* The next block's K and V rows at this run's offsets are requested one    \
+             * (row, head) at a time between the dot products below: spread out, the      \
+             * requests overlap the math; a block's worth at once stalls it (much slower); \
+             * the V rows requested here rather than beside the V updates wait longer     \
+             * in the queue before use (docs/KERNELS.md, "CPU attention"). */             \
             const int next_rows = (blk + 1) * block_size < len                                 \
                                       ? len - (blk + 1) * block_size - off : 0;                \
             const long next = next_rows > 0 ? (long)table[blk + 1] * block_elems +             \
@@ -260,9 +261,12 @@ static inline __attribute__((always_inline)) void bf16_store_out_in_order(const 
             const __mmask16 live = (__mmask16)((1u << nt) - 1u);                               \
             for (int t = 0; t < 16; t++)                                                       \
                 for (int i = 0; i < h1 - h0; i++) {                                            \
-                    if (t < nt && t < next_rows)                                               \
+                    if (t < nt && t < next_rows) {                                             \
                         prefetch_row((const char *)(k_cache + next + t * tok_stride + i * RD), \
                                      RD * (int)sizeof(KT));                                    \
+                        prefetch_row((const char *)(v_cache + next + t * tok_stride + i * RD), \
+                                     RD * (int)sizeof(KT));                                    \
+                    }                                                                          \
                     for (int g = 0; g < G; g++)                                                \
                         part[i * G + g][t] = t < nt ? KDOT(ND, qv[i * G + g],                  \
                                                            kb + t * tok_stride + i * RD)       \
@@ -290,9 +294,6 @@ static inline __attribute__((always_inline)) void bf16_store_out_in_order(const 
                 for (int g = 0; g < G; g++)                                                    \
                     for (int j = 0; j < ND; j++) a[g][j] = acc[i * G + g][j];                  \
                 for (int t = 0; t < nt; t++) {                                                 \
-                    if (t < next_rows)                                                         \
-                        prefetch_row((const char *)(v_cache + next + t * tok_stride + i * RD), \
-                                     RD * (int)sizeof(KT));                                    \
                     __m512 vv[MAX_D / 16];                                                     \
                     VLOAD(ND, vv, vb + t * tok_stride + i * RD);                               \
                     for (int g = 0; g < G; g++) {                                              \
