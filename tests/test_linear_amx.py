@@ -134,6 +134,35 @@ def test_tiles_into_float32_bitwise_as_widened_bf16(rows: int) -> None:
     assert not linear_tiles_into_f32(x, w.tiles, torch.empty(rows + 1, 96))
 
 
+@needs_amx
+def test_every_unit_once_whatever_the_team() -> None:
+    """Threads take their own units front to back and, when done, the others' from the
+    back: with more threads than cores (preempted ones fall behind and get robbed) and
+    unit counts that do not split evenly, every output is still written once, bitwise as
+    with one thread (NaN-filled output: a unit left out would show)."""
+    g = torch.Generator().manual_seed(7)
+    w = LinearWeight(torch.randn(32 * 37, 64, generator=g).to(BF))  # 37 column pairs
+    assert w.prepack(tiles=True) and w.tiles is not None
+    gate_up = pack_tiles((torch.randn(2 * 16 * 19, 64, generator=g) * 0.1).to(BF))  # 19 blocks
+    x = torch.randn(70, 64, generator=g).to(BF)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3, 7):
+            torch.set_num_threads(n)
+            for _ in range(3):
+                out = torch.full((70, 32 * 37), float("nan"))
+                assert linear_tiles_into_f32(x, w.tiles, out)
+                act = silu_mul_tiles(x, gate_up, 16 * 19)
+                assert act is not None
+                results.append((out, act))
+    finally:
+        torch.set_num_threads(threads)
+    for out, act in results:
+        assert not out.isnan().any()
+        assert torch.equal(out, results[0][0]) and torch.equal(act, results[0][1])
+
+
 def test_what_the_kernel_does_not_take() -> None:
     assert not tiles_cover(torch.float32, CPU, 64, 64)
     assert not tiles_cover(BF, CPU, 48, 64)  # out not a multiple of 32

@@ -7,7 +7,8 @@
  * cached compute time plus the time to read the weights (docs/KERNELS.md, "AMX linear").
  * Here each thread streams its own contiguous range of the packed weights, front to
  * back, with software prefetches a fixed distance ahead, so the reads overlap the tile
- * products.
+ * products; a thread done with its range takes the last units of the others' (the
+ * ranges' tails go to whichever thread is ahead instead of waiting at the barrier).
  *
  * Weight layout (linear_amx_pack): tiles of 32 k x 16 n in AMX's B ("VNNI") layout,
  * 16 rows of 16 32-bit words (the k pair 2r, 2r + 1 of column n at word r * 16 + n), 1 KB
@@ -26,6 +27,7 @@
  * group's epilogue is deferred and computed a few rows per k step of the next group's
  * products (the vector units run beside the tile unit), the last one at the end.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -164,24 +166,68 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
     }
 }
 
-/* The matmul over `units` units of output columns, each thread a contiguous range of
- * them (one stream through the weights), for all M rows in groups of 32. A unit is a
- * column pair (columns 32 u .. 32 u + 31) or, for OUT_SWIGLU, a 16-column block of the
- * SwiGLU output (gate block u, up block `units` + u of the packed [2 * inter] weight). */
+/* A thread's units not yet claimed, [front, back), packed in one word: its owner takes
+ * them from the front (its stream through the weights), a thread that has run out takes
+ * them from the back, and the compare-and-swap on both ends keeps a unit from being
+ * claimed twice. One cache line each. */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t range;
+} UnitRange;
+#define MAX_UNIT_RANGES 64
+
+static inline uint64_t pack_range(uint32_t front, uint32_t back) {
+    return (uint64_t)back << 32 | front;
+}
+
+/* the claimed unit, or -1 when the range is empty */
+static inline int claim_unit(UnitRange *r, int from_back) {
+    uint64_t old = atomic_load_explicit(&r->range, memory_order_relaxed);
+    for (;;) {
+        const uint32_t front = (uint32_t)old, back = (uint32_t)(old >> 32);
+        if (front >= back) return -1;
+        const uint64_t claimed = from_back ? pack_range(front, back - 1) : pack_range(front + 1, back);
+        if (atomic_compare_exchange_weak_explicit(&r->range, &old, claimed, memory_order_relaxed,
+                                                  memory_order_relaxed))
+            return (int)(from_back ? back - 1 : front);
+    }
+}
+
+/* The matmul over `units` units of output columns for all M rows in groups of 32. A unit
+ * is a column pair (columns 32 u .. 32 u + 31) or, for OUT_SWIGLU, a 16-column block of
+ * the SwiGLU output (gate block u, up block `units` + u of the packed [2 * inter] weight).
+ * Each thread owns a contiguous range of units (one stream through the weights, front to
+ * back); a thread done with its own takes the others' last units, so that a thread slowed
+ * down (another process on its core) does not hold the rest at the closing barrier. */
 static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, void *y,
                       long y_stride, int M, int K, int units, int mode, const char *w_end) {
     const long pair_words = (long)(K / 32) * 512;
-#pragma omp parallel
+#ifdef _OPENMP
+    int nr = omp_get_max_threads();
+#else
+    int nr = 1;
+#endif
+    if (nr > MAX_UNIT_RANGES) nr = MAX_UNIT_RANGES;
+    /* every range is claimed by its owner or by thieves, even in a smaller team */
+    UnitRange ranges[MAX_UNIT_RANGES];
+    for (int r = 0; r < nr; r++)
+        atomic_init(&ranges[r].range, pack_range((uint32_t)((long)units * r / nr),
+                                                 (uint32_t)((long)units * (r + 1) / nr)));
+#pragma omp parallel num_threads(nr)
     {
 #ifdef _OPENMP
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int t = omp_get_thread_num();
 #else
-        const int nt = 1, t = 0;
+        const int t = 0;
 #endif
-        const int u_begin = (int)((long)units * t / nt), u_end = (int)((long)units * (t + 1) / nt);
         int configured = -1; /* the rows of the tail group the tiles are configured for */
         PendingSwiglu pending = {.rows = 0, .done = 0};
-        for (int u = u_begin; u < u_end; u++) {
+        for (int step = 0; step < nr;) {
+            const int victim = (t + step) % nr;
+            const int u = claim_unit(&ranges[victim], victim != t);
+            if (u < 0) {
+                step++;
+                continue;
+            }
             const uint32_t *w6, *w7;
             if (mode == OUT_SWIGLU) { /* 16-column block j sits in pair j / 2, half j % 2 */
                 const int g = u, up = units + u;
@@ -211,7 +257,7 @@ static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, void
             }
         }
         drain_swiglu(&pending, pending.rows);
-        _tile_release();
+        if (configured >= 0) _tile_release();
     }
 }
 #endif
