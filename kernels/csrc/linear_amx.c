@@ -22,10 +22,14 @@
  * SwiGLU (linear_amx_silu_mul_bf16): the same loop over a gate/up weight, its two column
  * blocks a gate block and the up block of the same columns, the activation computed from
  * the rounded products in the epilogue (silu_mul16_bf16, as silu_mul_bf16): the MLP's
- * [rows][2 * inter] intermediate is neither written nor read back. The activation's
- * exp and division take about as long as the tile products of the same outputs, so each
- * group's epilogue is deferred and computed a few rows per k step of the next group's
- * products (the vector units run beside the tile unit), the last one at the end.
+ * [rows][2 * inter] intermediate is neither written nor read back.
+ *
+ * Epilogues (all modes): a group's sums leave the tiles into a buffer, and their rounding,
+ * activation (SwiGLU's exp and division take about as long as the tile products of the
+ * same outputs) and row stores run a few rows per k step of the next group's products
+ * (the vector units run beside the tile unit), the last group's at the end. Done right
+ * after each group instead, the plain epilogue cost 12-16 % of a 600-row matmul's time
+ * in a one-core loop, deferred ~6 % (docs/KERNELS.md, "AMX linear").
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -61,23 +65,35 @@ static inline void store_row_bf16(uint16_t *y, __m512 sums) {
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(sums));
 }
 
-/* A SwiGLU group's sums waiting for their epilogue: acc[0], acc[1] the gate and up sums
- * of its first 16-row block, acc[2], acc[3] of the second; rows done so far of `rows`. */
+/* A group's sums waiting for their epilogue: acc[0], acc[1] the sums of its first 16-row
+ * block's two column blocks (for SwiGLU the gate and the up sums), acc[2], acc[3] of the
+ * second; rows done so far of `rows`. */
 typedef struct {
     __attribute__((aligned(64))) float acc[4][16 * 16];
-    uint16_t *y; /* the group's first output: row m0, column n0 */
+    void *y; /* the group's first output (row m0, column n0): bf16, or float for OUT_F32 */
     long y_stride;
-    int rows0, rows, done;
-} PendingSwiglu;
+    int mode, rows0, rows, done;
+} PendingEpilogue;
 
 /* The next up to `count` rows of the pending epilogue (all of them: count = rows). */
-static inline void drain_swiglu(PendingSwiglu *p, int count) {
+static inline void drain_epilogue(PendingEpilogue *p, int count) {
     const int end = p->done + count < p->rows ? p->done + count : p->rows;
     for (int r = p->done; r < end; r++) {
         const int blk = r >= p->rows0, rr = r - blk * p->rows0;
-        const __m512 g = bf16x16_round(_mm512_load_ps(p->acc[2 * blk] + rr * 16));
-        const __m512 u = bf16x16_round(_mm512_load_ps(p->acc[2 * blk + 1] + rr * 16));
-        store_row_bf16(p->y + (long)r * p->y_stride, silu_mul16_bf16(g, u));
+        const __m512 a = _mm512_load_ps(p->acc[2 * blk] + rr * 16);
+        const __m512 b = _mm512_load_ps(p->acc[2 * blk + 1] + rr * 16);
+        if (p->mode == OUT_SWIGLU) {
+            store_row_bf16((uint16_t *)p->y + (long)r * p->y_stride,
+                           silu_mul16_bf16(bf16x16_round(a), bf16x16_round(b)));
+        } else if (p->mode == OUT_F32) {
+            float *yf = (float *)p->y + (long)r * p->y_stride;
+            _mm512_storeu_ps(yf, bf16x16_round(a));
+            _mm512_storeu_ps(yf + 16, bf16x16_round(b));
+        } else {
+            uint16_t *yb = (uint16_t *)p->y + (long)r * p->y_stride;
+            store_row_bf16(yb, a);
+            store_row_bf16(yb + 16, b);
+        }
     }
     p->done = end;
 }
@@ -88,7 +104,7 @@ static inline void drain_swiglu(PendingSwiglu *p, int count) {
  * OUT_F32 (y then float *): the blocks are columns n0 .. n0 + 31 of y. OUT_SWIGLU: w6 is
  * a gate block and w7 the up block of the same columns, and y gets silu(gate) * up in its
  * 16 columns n0 .. n0 + 15, each product first rounded to bf16 as the plain output would
- * be, so the result is bitwise the plain matmul followed by silu_mul_bf16; the epilogue
+ * be, so the result is bitwise the plain matmul followed by silu_mul_bf16. The epilogue
  * of the previous group in `pending` runs during the k steps, and this group's sums are
  * left in it. pf6, pf7: where the weight prefetches of w6's and w7's streams start (NULL:
  * none). */
@@ -96,11 +112,10 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
                                  const uint32_t *w7, int K, void *y, long y_stride,
                                  int m0, int rows0, int rows1, int n0, int mode,
                                  const char *pf6, const char *pf7, const char *prefetch_end,
-                                 PendingSwiglu *pending) {
-    __attribute__((aligned(64))) float acc[2][16 * 16];
+                                 PendingEpilogue *pending) {
     const int KB = K / 32;
     /* rows of the pending epilogue per k step: spread over this group's k steps */
-    const int drain_per_step = pending ? (pending->rows - pending->done + KB - 1) / KB : 0;
+    const int drain_per_step = (pending->rows - pending->done + KB - 1) / KB;
     const long xs = x_stride * 2; /* bytes */
     const uint16_t *x0 = x + (long)m0 * x_stride, *x1 = x0 + 16 * x_stride;
     _tile_zero(0);
@@ -123,47 +138,22 @@ static inline void column_blocks(const uint16_t *x, long x_stride, const uint32_
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (drain_per_step > 0) drain_swiglu(pending, drain_per_step);
+        if (drain_per_step > 0) drain_epilogue(pending, drain_per_step);
     }
-    if (pending) {
-        drain_swiglu(pending, pending->rows);
-        _tile_stored(0, pending->acc[0], 64);
-        _tile_stored(1, pending->acc[1], 64);
-        if (rows1 > 0) {
-            _tile_stored(2, pending->acc[2], 64);
-            _tile_stored(3, pending->acc[3], 64);
-        }
-        pending->y = (uint16_t *)y + (long)m0 * y_stride + n0;
-        pending->y_stride = y_stride;
-        pending->rows0 = rows0;
-        pending->rows = rows0 + rows1;
-        pending->done = 0;
-        return;
+    drain_epilogue(pending, pending->rows);
+    _tile_stored(0, pending->acc[0], 64);
+    _tile_stored(1, pending->acc[1], 64);
+    if (rows1 > 0) {
+        _tile_stored(2, pending->acc[2], 64);
+        _tile_stored(3, pending->acc[3], 64);
     }
-    for (int blk = 0; blk < 2; blk++) { /* row blocks */
-        const int rows = blk == 0 ? rows0 : rows1;
-        if (rows <= 0) break;
-        const long row0 = (long)(m0 + 16 * blk) * y_stride + n0; /* element offset */
-        uint16_t *yb = (uint16_t *)y + row0;
-        float *yf = (float *)y + row0;
-        if (blk == 0) {
-            _tile_stored(0, acc[0], 64);
-            _tile_stored(1, acc[1], 64);
-        } else {
-            _tile_stored(2, acc[0], 64);
-            _tile_stored(3, acc[1], 64);
-        }
-        for (int r = 0; r < rows; r++) {
-            if (mode == OUT_F32) {
-                _mm512_storeu_ps(yf + r * y_stride, bf16x16_round(_mm512_load_ps(acc[0] + r * 16)));
-                _mm512_storeu_ps(yf + r * y_stride + 16,
-                                 bf16x16_round(_mm512_load_ps(acc[1] + r * 16)));
-            } else {
-                store_row_bf16(yb + r * y_stride, _mm512_load_ps(acc[0] + r * 16));
-                store_row_bf16(yb + r * y_stride + 16, _mm512_load_ps(acc[1] + r * 16));
-            }
-        }
-    }
+    const long first = (long)m0 * y_stride + n0; /* element offset of the group's output */
+    pending->y = mode == OUT_F32 ? (void *)((float *)y + first) : (void *)((uint16_t *)y + first);
+    pending->y_stride = y_stride;
+    pending->mode = mode;
+    pending->rows0 = rows0;
+    pending->rows = rows0 + rows1;
+    pending->done = 0;
 }
 
 /* A thread's units not yet claimed, [front, back), packed in one word: its owner takes
@@ -220,7 +210,7 @@ static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, void
         const int t = 0;
 #endif
         int configured = -1; /* the rows of the tail group the tiles are configured for */
-        PendingSwiglu pending = {.rows = 0, .done = 0};
+        PendingEpilogue pending = {.rows = 0, .done = 0};
         for (int step = 0; step < nr;) {
             const int victim = (t + step) % nr;
             const int u = claim_unit(&ranges[victim], victim != t);
@@ -253,10 +243,10 @@ static void run_units(const uint16_t *x, long x_stride, const uint32_t *wp, void
                               mode == OUT_SWIGLU ? 16 * u : 32 * u, mode,
                               first ? (const char *)w6 + PREFETCH_AHEAD : NULL,
                               first ? (const char *)w7 + PREFETCH_AHEAD : NULL, w_end,
-                              mode == OUT_SWIGLU ? &pending : NULL);
+                              &pending);
             }
         }
-        drain_swiglu(&pending, pending.rows);
+        drain_epilogue(&pending, pending.rows);
         if (configured >= 0) _tile_release();
     }
 }
