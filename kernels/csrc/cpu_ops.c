@@ -38,9 +38,43 @@ void rms_norm_f32(const float *x, long x_stride, float *residual, long r_stride,
     }
 }
 
+#if defined(__AVX512F__)
+/* One row of rms_norm_bf16 (hidden % 16 == 0) in 16-lane vectors: the residual add and
+ * the sum of squares in one pass, the scaling in a second over the row just written
+ * (in L1). Roundings as the scalar loop. */
+static inline void rms_norm_row_bf16(const uint16_t *xi, uint16_t *ri, const uint16_t *weight,
+                                     uint16_t *oi, int hidden, float eps) {
+    __m512 ss = _mm512_setzero_ps();
+    const uint16_t *src = ri ? ri : xi;
+    for (int j = 0; j < hidden; j += 16) {
+        __m512 v = bf16x16_load(xi + j);
+        if (ri) {
+            v = bf16x16_round(_mm512_add_ps(bf16x16_load(ri + j), v));
+            bf16x16_store(ri + j, v);
+        }
+        ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)hidden + eps);
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int j = 0; j < hidden; j += 16) {
+        const __m512 n = bf16x16_round(_mm512_mul_ps(bf16x16_load(src + j), iv));
+        bf16x16_store(oi + j, bf16x16_round(_mm512_mul_ps(n, bf16x16_load(weight + j))));
+    }
+}
+#endif
+
 void rms_norm_bf16(const uint16_t *x, long x_stride, uint16_t *residual, long r_stride,
                    const uint16_t *weight, uint16_t *out, long o_stride, long rows, int hidden,
                    float eps) {
+#if defined(__AVX512F__)
+    if (hidden % 16 == 0) {
+        PAR_ROWS(rows)
+        for (long i = 0; i < rows; i++)
+            rms_norm_row_bf16(x + i * x_stride, residual ? residual + i * r_stride : NULL, weight,
+                              out + i * o_stride, hidden, eps);
+        return;
+    }
+#endif
     PAR_ROWS(rows)
     for (long i = 0; i < rows; i++) {
         const uint16_t *xi = x + i * x_stride;
