@@ -27,9 +27,9 @@
  * Epilogues (all modes): a group's sums leave the tiles into a buffer, and their rounding,
  * activation (SwiGLU's exp and division take about as long as the tile products of the
  * same outputs) and row stores run a few rows per k step of the next group's products
- * (the vector units run beside the tile unit), the last group's at the end. Done right
- * after each group instead, the plain epilogue cost 12-16 % of a 600-row matmul's time
- * in a one-core loop, deferred ~6 % (docs/KERNELS.md, "AMX linear").
+ * (the vector units run beside the tile unit), the last group's at the end; right after
+ * each group, the plain epilogue waits on the tile stores and holds up the next group's
+ * products (docs/KERNELS.md, "AMX linear").
  */
 #include <stdatomic.h>
 #include <stdlib.h>
