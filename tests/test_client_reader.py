@@ -72,6 +72,11 @@ def test_a_pile_of_frames_arrives_whole_and_in_order(tmp_path: Path) -> None:
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
+        # the burst is bigger than the default send queue (1,000): a loaded machine's I/O
+        # thread moves it to the client slower than it is sent, and a plain ROUTER then
+        # drops frames silently; the frontend's ROUTER fails such a send instead
+        router.setsockopt(zmq.SNDHWM, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         endpoint = f"ipc://{tmp_path}/engine.ipc"
         router.bind(endpoint)
         client = AsyncClient(endpoint, timeout=30.0)
