@@ -195,7 +195,14 @@ def can_prepack_linear(dtype: torch.dtype, device: torch.device | str) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        # oneDNN's bf16 reorder refuses CPUs without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+        and (dtype != torch.bfloat16 or _onednn_bf16_supported())
     )
+
+
+def _onednn_bf16_supported() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return probe is None or bool(probe())
 
 
 def prepack_linear(weight: torch.Tensor) -> torch.Tensor:
