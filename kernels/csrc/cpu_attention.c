@@ -48,18 +48,18 @@ static inline float narrow_f32(float x) { return x; }
 
 static inline uint16_t narrow_bf16(float f) { return to_bf(f); } /* inputs are finite */
 
-/* Online-softmax update of G query rows with one block of nt keys/values (float32).
- * D is a compile-time constant at every call site (always_inline), so the d loops are
- * fully vectorized and unrolled. */
+/* Online-softmax update of G query rows with one block of nt keys/values (float32 rows
+ * rs elements apart). D is a compile-time constant at every call site (always_inline),
+ * so the d loops are fully vectorized and unrolled. */
 static inline __attribute__((always_inline)) void attend_block(
-    const int D, const int G, const int nt, const float *kf, const float *vf,
-    float qf[MAX_G][MAX_D], float acc[MAX_G][MAX_D], float *m, float *l) {
+    const int D, const int G, const int nt, const float *kf, const float *vf, const long rs,
+    float qf[][MAX_D], float acc[][MAX_D], float *m, float *l) {
     float s[MAX_G][MAX_BLOCK];
     for (int g = 0; g < G; g++) {
         for (int t = 0; t < nt; t++) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < D; d++) dot += qf[g][d] * kf[t * D + d];
+            for (int d = 0; d < D; d++) dot += qf[g][d] * kf[t * rs + d];
             s[g][t] = dot;
         }
         float mx = m[g];
@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void attend_block(
         for (int t = 0; t < nt; t++) {
             const float p = s[g][t];
 #pragma omp simd
-            for (int d = 0; d < D; d++) a[d] += p * vf[t * D + d];
+            for (int d = 0; d < D; d++) a[d] += p * vf[t * rs + d];
         }
         for (int d = 0; d < D; d++) acc[g][d] = a[d];
     }
@@ -386,38 +386,67 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
     return tables_in_range(tables, table_stride, lens, nd, block_size, num_blocks) ? 0 : -2;
 }
 
+/* The portable item (no AVX-512): KV heads [h0, h1) of sequence n, each with its G query
+ * heads, block by block, every head of the item per block, so a block's rows are read
+ * front to back once; the next block's rows are requested while this one is summed
+ * (blocks are scattered, the hardware prefetcher cannot see them coming). float32 rows
+ * are read in place, bf16 rows widened into a buffer first. */
 #define DEFINE_DECODE(NAME, T, WIDEN, NARROW, AVX_ITEM, AVX_SPLIT)                          \
     static inline __attribute__((always_inline)) void NAME##_item(                             \
         const int D, const T *q, long q_stride, const T *k_cache, const T *v_cache,            \
-        const int32_t *tables, long table_stride, const int32_t *lens, T *out, int n, int h,   \
-        int H, int Hkv, int block_size, float scale) {                                         \
-        const int G = H / Hkv;                                                                 \
+        const int32_t *tables, long table_stride, const int32_t *lens, T *out, int n, int h0,  \
+        int h1, int H, int Hkv, int block_size, float scale) {                                 \
+        const int G = H / Hkv, nq = (h1 - h0) * G;                                             \
         const long tok_stride = (long)Hkv * D;                                                 \
         const long block_elems = (long)block_size * tok_stride;                                \
-        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                         \
+        const int in_place = sizeof(T) == sizeof(float);                                       \
+        float qf[MAX_ITEM_QHEADS][MAX_D], acc[MAX_ITEM_QHEADS][MAX_D];                         \
+        float m[MAX_ITEM_QHEADS], l[MAX_ITEM_QHEADS];                                          \
         float kf[MAX_BLOCK * MAX_D], vf[MAX_BLOCK * MAX_D];                                    \
-        for (int g = 0; g < G; g++) {                                                          \
-            WIDEN(q + (long)n * q_stride + (long)(h * G + g) * D, qf[g], D);                   \
-            for (int d = 0; d < D; d++) qf[g][d] *= scale;                                     \
-            for (int d = 0; d < D; d++) acc[g][d] = 0.0f;                                      \
-            m[g] = -INFINITY;                                                                  \
-            l[g] = 0.0f;                                                                       \
+        for (int c = 0; c < nq; c++) {                                                         \
+            WIDEN(q + (long)n * q_stride + (long)(h0 * G + c) * D, qf[c], D);                  \
+            for (int d = 0; d < D; d++) qf[c][d] *= scale;                                     \
+            for (int d = 0; d < D; d++) acc[c][d] = 0.0f;                                      \
+            m[c] = -INFINITY;                                                                  \
+            l[c] = 0.0f;                                                                       \
         }                                                                                      \
         const int len = lens[n];                                                               \
         const int32_t *table = tables + (long)n * table_stride;                                \
+        const int row_bytes = (h1 - h0) * D * (int)sizeof(T);                                  \
         for (int start = 0; start < len; start += block_size) {                                \
             const int nt = len - start < block_size ? len - start : block_size;                \
-            const long base = (long)table[start / block_size] * block_elems + (long)h * D;     \
-            for (int t = 0; t < nt; t++) {                                                     \
-                WIDEN(k_cache + base + t * tok_stride, kf + t * D, D);                         \
-                WIDEN(v_cache + base + t * tok_stride, vf + t * D, D);                         \
+            const long base = (long)table[start / block_size] * block_elems + (long)h0 * D;    \
+            if (start + block_size < len) {                                                    \
+                const int nn = len - start - block_size < block_size ? len - start - block_size \
+                                                                     : block_size;             \
+                const long next = (long)table[start / block_size + 1] * block_elems +          \
+                                  (long)h0 * D;                                                \
+                for (int t = 0; t < nn; t++)                                                   \
+                    for (int b = 0; b < row_bytes; b += 64) {                                  \
+                        __builtin_prefetch((const char *)(k_cache + next + t * tok_stride) + b, 0, 2); \
+                        __builtin_prefetch((const char *)(v_cache + next + t * tok_stride) + b, 0, 2); \
+                    }                                                                          \
             }                                                                                  \
-            attend_block(D, G, nt, kf, vf, qf, acc, m, l);                                     \
+            for (int h = h0; h < h1; h++) {                                                    \
+                const long hb = base + (long)(h - h0) * D;                                     \
+                const float *kr = (const float *)(const void *)(k_cache + hb);                 \
+                const float *vr = (const float *)(const void *)(v_cache + hb);                 \
+                long rs = tok_stride;                                                          \
+                if (!in_place) {                                                               \
+                    for (int t = 0; t < nt; t++) {                                             \
+                        WIDEN(k_cache + hb + t * tok_stride, kf + t * D, D);                   \
+                        WIDEN(v_cache + hb + t * tok_stride, vf + t * D, D);                   \
+                    }                                                                          \
+                    kr = kf, vr = vf, rs = D;                                                  \
+                }                                                                              \
+                const int c0 = (h - h0) * G;                                                   \
+                attend_block(D, G, nt, kr, vr, rs, qf + c0, acc + c0, m + c0, l + c0);         \
+            }                                                                                  \
         }                                                                                      \
-        for (int g = 0; g < G; g++) {                                                          \
-            T *o = out + ((long)n * H + h * G + g) * D;                                        \
-            const float inv = 1.0f / l[g];                                                     \
-            for (int d = 0; d < D; d++) o[d] = NARROW(acc[g][d] * inv);                        \
+        for (int c = 0; c < nq; c++) {                                                         \
+            T *o = out + ((long)n * H + h0 * G + c) * D;                                       \
+            const float inv = 1.0f / l[c];                                                     \
+            for (int d = 0; d < D; d++) o[d] = NARROW(acc[c][d] * inv);                        \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
@@ -446,17 +475,15 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
             if (AVX_ITEM(D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, \
                          n, h0, h1, H, Hkv, block_size, scale, 0, lens[n], NULL))              \
                 continue;                                                                      \
-            for (int h = h0; h < h1; h++) {                                                    \
-                if (D == 64)                                                                   \
-                    NAME##_item(64, q, q_stride, k_cache, v_cache, tables, table_stride, lens, \
-                                out, n, h, H, Hkv, block_size, scale);                         \
-                else if (D == 128)                                                             \
-                    NAME##_item(128, q, q_stride, k_cache, v_cache, tables, table_stride,      \
-                                lens, out, n, h, H, Hkv, block_size, scale);                   \
-                else                                                                           \
-                    NAME##_item(D, q, q_stride, k_cache, v_cache, tables, table_stride, lens,  \
-                                out, n, h, H, Hkv, block_size, scale);                         \
-            }                                                                                  \
+            if (D == 64)                                                                       \
+                NAME##_item(64, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,  \
+                            n, h0, h1, H, Hkv, block_size, scale);                             \
+            else if (D == 128)                                                                 \
+                NAME##_item(128, q, q_stride, k_cache, v_cache, tables, table_stride, lens,     \
+                            out, n, h0, h1, H, Hkv, block_size, scale);                        \
+            else                                                                               \
+                NAME##_item(D, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,   \
+                            n, h0, h1, H, Hkv, block_size, scale);                             \
         }                                                                                      \
         return 0;                                                                              \
     }
@@ -573,7 +600,12 @@ int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_
 #define SPLIT_F32 split_decode_f32
 #define SPLIT_BF16 split_decode_bf16
 #else
-#define ITEM_F32(...) 0
+/* float32 items on AVX2 + FMA builds (kernels/csrc/decode_attention_avx2.c; 0 elsewhere
+ * and for head sizes it does not take: the portable loop below) */
+#define ITEM_F32(D_, G_, q_, qs_, kc_, vc_, tb_, ts_, ln_, o_, n_, h0_, h1_, H_, Hkv_, bs_, sc_, \
+                 k0_, k1_, split_)                                                              \
+    decode_item_avx2_f32(D_, G_, q_, qs_, kc_, vc_, tb_, ts_, ln_, o_, n_, h0_, h1_, H_, Hkv_,  \
+                         bs_, sc_)
 #define ITEM_BF16(...) 0
 #define SPLIT_F32(...) 0
 #define SPLIT_BF16(...) 0

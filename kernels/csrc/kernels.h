@@ -50,6 +50,13 @@ int gemv_q4_bf16(const uint16_t *x, long x_stride, const void *qs, const float *
 int gemv_q8_bf16(const uint16_t *x, long x_stride, const void *qs, const float *scales,
                  uint16_t *y, long y_stride, int M, int N, int K);
 
+/* decode_attention_avx2.c: one float32 decode work item on AVX2 builds; 1 done, 0 not
+ * taken (another build, head size or item size) */
+int decode_item_avx2_f32(int D, int G, const float *q, long q_stride, const float *k_cache,
+                         const float *v_cache, const int32_t *tables, long table_stride,
+                         const int32_t *lens, float *out, int n, int h0, int h1, int H, int Hkv,
+                         int block_size, float scale);
+
 /* cpu_attention.c */
 int decode_attention_check(const int32_t *tables, long table_stride, const int32_t *lens,
                            int nd, int H, int Hkv, int D, int block_size, long num_blocks);

@@ -1,0 +1,188 @@
+/* float32 decode attention for CPUs with AVX2 and FMA but no AVX-512 (kernels/csrc/
+ * cpu_attention.c takes its work items from here on such builds; the AVX-512 item there
+ * is the model for this one).
+ *
+ * One work item: KV heads [h0, h1) of sequence n, each with its G query heads, over the
+ * keys in runs of up to 8 inside one block. Per run and query head: the 8 keys' dot
+ * products as 8-lane partial sums, summed across lanes 8 keys at once (hsum8x8), an
+ * online-softmax update on those 8 scores (exp on 8 lanes), then the weighted V rows
+ * into the head's accumulators. The next block's rows are requested while a run is
+ * summed: blocks are scattered over the cache, so the hardware prefetcher cannot see the
+ * next one coming. Head sizes 64 and 128 only (ND = D / 8 vectors a row, a compile-time
+ * constant); the caller takes its portable loop for others.
+ */
+#include "common.h"
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+#define ITEM_MAX_QHEADS 32 /* cpu_attention.c's MAX_ITEM_QHEADS */
+#define ITEM_MAX_ND 16     /* D up to 128 */
+
+/* exp_approx (common.h) on 8 lanes */
+static inline __m256 exp256(__m256 x) {
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+    __m256 p = _mm256_set1_ps(1.98412698412698413e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.38888888888888889e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333333333333e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666666666666667e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666666666666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
+                            _mm256_set1_ps(INFINITY), over);
+}
+
+/* v[0..7] -> lane t holds the sum of v[t]'s 8 lanes */
+static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                         _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+static inline float hadd8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+static inline __attribute__((always_inline)) void item_f32(
+    const int ND, const int G, const float *q, long q_stride, const float *k_cache,
+    const float *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,
+    float *out, int n, int h0, int h1, int H, int Hkv, int block_size, float scale) {
+    const int D = ND * 8, nq = (h1 - h0) * G; /* query heads, c = (h - h0) * G + g */
+    const long tok_stride = (long)Hkv * D;
+    const long block_elems = (long)block_size * tok_stride;
+    __m256 qv[ITEM_MAX_QHEADS][ITEM_MAX_ND], acc[ITEM_MAX_QHEADS][ITEM_MAX_ND];
+    float m[ITEM_MAX_QHEADS], l[ITEM_MAX_QHEADS];
+    __attribute__((aligned(32))) float p[8];
+    const __m256 sc = _mm256_set1_ps(scale), neg_inf = _mm256_set1_ps(-INFINITY);
+    for (int c = 0; c < nq; c++) {
+        const float *qr = q + (long)n * q_stride + (long)(h0 * G + c) * D;
+        for (int j = 0; j < ND; j++) {
+            qv[c][j] = _mm256_loadu_ps(qr + 8 * j);
+            acc[c][j] = _mm256_setzero_ps();
+        }
+        m[c] = -INFINITY;
+        l[c] = 0.0f;
+    }
+    const int len = lens[n], row_bytes = (h1 - h0) * D * (int)sizeof(float);
+    const int32_t *table = tables + (long)n * table_stride;
+    for (int start = 0, nt = 0; start < len; start += nt) {
+        const int off = start % block_size, blk = start / block_size;
+        nt = len - start < 8 ? len - start : 8;
+        if (nt > block_size - off) nt = block_size - off;
+        const float *kb = k_cache + (long)table[blk] * block_elems + (long)off * tok_stride +
+                          (long)h0 * D;
+        const float *vb = v_cache + (kb - k_cache);
+        /* the next block's rows at this run's offsets */
+        const int next_rows =
+            (blk + 1) * block_size < len ? len - (blk + 1) * block_size - off : 0;
+        if (next_rows > 0) {
+            const long next =
+                (long)table[blk + 1] * block_elems + (long)off * tok_stride + (long)h0 * D;
+            for (int t = 0; t < nt && t < next_rows; t++)
+                for (int b = 0; b < row_bytes; b += 64) {
+                    _mm_prefetch((const char *)(k_cache + next + t * tok_stride) + b, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(v_cache + next + t * tok_stride) + b, _MM_HINT_T1);
+                }
+        }
+        const __m256 live = _mm256_cmp_ps(
+            _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)nt), _CMP_LT_OQ);
+        for (int i = 0; i < h1 - h0; i++) {
+            for (int g = 0; g < G; g++) {
+                const int c = i * G + g;
+                __m256 part[8];
+                for (int t = 0; t < 8; t++) {
+                    if (t >= nt) {
+                        part[t] = _mm256_setzero_ps();
+                        continue;
+                    }
+                    const float *kr = kb + t * tok_stride + i * D;
+                    __m256 d = _mm256_mul_ps(qv[c][0], _mm256_loadu_ps(kr));
+                    for (int j = 1; j < ND; j++)
+                        d = _mm256_fmadd_ps(qv[c][j], _mm256_loadu_ps(kr + 8 * j), d);
+                    part[t] = d;
+                }
+                const __m256 sv =
+                    _mm256_blendv_ps(neg_inf, _mm256_mul_ps(hsum8x8(part), sc), live);
+                const float bm = hmax8(sv);
+                if (bm > m[c]) { /* a new maximum: rescale what was summed so far */
+                    const float corr = exp_approx(m[c] - bm); /* 0 on the first run */
+                    const __m256 cv = _mm256_set1_ps(corr);
+                    for (int j = 0; j < ND; j++) acc[c][j] = _mm256_mul_ps(acc[c][j], cv);
+                    l[c] *= corr;
+                    m[c] = bm;
+                }
+                const __m256 pv =
+                    _mm256_and_ps(exp256(_mm256_sub_ps(sv, _mm256_set1_ps(m[c]))), live);
+                l[c] += hadd8(pv);
+                _mm256_store_ps(p, pv);
+                __m256 a[ITEM_MAX_ND]; /* this query head's accumulators, in registers */
+                for (int j = 0; j < ND; j++) a[j] = acc[c][j];
+                for (int t = 0; t < nt; t++) {
+                    const float *vr = vb + t * tok_stride + i * D;
+                    const __m256 pb = _mm256_set1_ps(p[t]);
+                    for (int j = 0; j < ND; j++)
+                        a[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * j), a[j]);
+                }
+                for (int j = 0; j < ND; j++) acc[c][j] = a[j];
+            }
+        }
+    }
+    for (int c = 0; c < nq; c++) {
+        float *o = out + ((long)n * H + h0 * G + c) * D;
+        const __m256 inv = _mm256_set1_ps(1.0f / l[c]);
+        for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[c][j], inv));
+    }
+}
+
+int decode_item_avx2_f32(int D, int G, const float *q, long q_stride, const float *k_cache,
+                         const float *v_cache, const int32_t *tables, long table_stride,
+                         const int32_t *lens, float *out, int n, int h0, int h1, int H, int Hkv,
+                         int block_size, float scale) {
+    if ((h1 - h0) * G > ITEM_MAX_QHEADS) return 0;
+    if (D == 64)
+        item_f32(8, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1,
+                 H, Hkv, block_size, scale);
+    else if (D == 128)
+        item_f32(16, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0,
+                 h1, H, Hkv, block_size, scale);
+    else
+        return 0;
+    return 1;
+}
+
+#else
+
+int decode_item_avx2_f32(int D, int G, const float *q, long q_stride, const float *k_cache,
+                         const float *v_cache, const int32_t *tables, long table_stride,
+                         const int32_t *lens, float *out, int n, int h0, int h1, int H, int Hkv,
+                         int block_size, float scale) {
+    (void)D, (void)G, (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)tables;
+    (void)table_stride, (void)lens, (void)out, (void)n, (void)h0, (void)h1, (void)H, (void)Hkv;
+    (void)block_size, (void)scale;
+    return 0; /* AVX-512 builds use their own item; others without AVX2 the portable loop */
+}
+
+#endif
