@@ -236,11 +236,10 @@ def test_int8_kv_cache_deployment_gives_the_in_process_int8_outputs(
         return [[lp.logprob for lp in o.logprobs] for o in outs]
 
     prompts = PROMPTS[:2]
-    # one request at a time everywhere: the same batches, so the same float32 sums; one
-    # thread on both sides (this module's in-process engines run on the one thread other
-    # test modules leave set): where no native kernel reads int8 rows for this dtype
-    # (float32 without AVX-512), torch's attention sums in an order that follows the
-    # thread count
+    # one request at a time everywhere: the same batches, so the same float32 sums; and
+    # the worker on as many threads as this process (other test modules leave one set):
+    # where no native kernel reads int8 rows for this dtype (float32 without AVX-512),
+    # torch's attention sums in an order that follows the thread count
     llm = small_llm(kv_cache_dtype="int8")
     int8 = logprobs([llm.generate(p, params)[0] for p in prompts])
     with Client(deployment.endpoint) as c:  # the shared deployment: float32 caches
