@@ -16,6 +16,8 @@ OUT="${OUT:-$here/peer_serving}"
 PORT="${PORT:-8100}"
 REQUESTS="${REQUESTS:-80}"
 py="$here/.venv/bin/python"
+case "${VLLM_DTYPE:-bfloat16}" in bfloat16|float32) ;;
+  *) echo "VLLM_DTYPE must be bfloat16 or float32, got '$VLLM_DTYPE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 
 # name | csv | first row | time stretch | max prompt | max output

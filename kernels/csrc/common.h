@@ -49,6 +49,33 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp_approx on 8 lanes (AVX2 builds; exp512 below is the AVX-512 one) */
+static inline __m256 exp256(__m256 x) {
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+    __m256 p = _mm256_set1_ps(1.98412698412698413e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.38888888888888889e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333333333333e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666666666666667e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666666666666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
+                            _mm256_set1_ps(INFINITY), over);
+}
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

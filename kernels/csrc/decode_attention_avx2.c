@@ -20,29 +20,6 @@
 #define ITEM_MAX_QHEADS 32 /* cpu_attention.c's MAX_ITEM_QHEADS */
 #define ITEM_MAX_ND 16     /* D up to 128 */
 
-/* exp_approx (common.h) on 8 lanes */
-static inline __m256 exp256(__m256 x) {
-    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
-    __m256 p = _mm256_set1_ps(1.98412698412698413e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.38888888888888889e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333333333333e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666666666666667e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666666666666667e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
-                            _mm256_set1_ps(INFINITY), over);
-}
-
 /* v[0..7] -> lane t holds the sum of v[t]'s 8 lanes */
 static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {
     const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
