@@ -32,7 +32,7 @@ from .linear_amx import (
     silu_mul_tiles,
 )
 from .linear_weight import LinearWeight
-from .native import load_library
+from .native import cpu_has_flag, load_library
 from .ops import apply_rope_, linear, rms_norm_
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -46,6 +46,13 @@ _ROPE_MAX_D = 512
 # rows up to which the C matrix-vector kernel beats oneDNN's prepacked matmul on the
 # default model's matmuls (the kernel takes up to 8): docs/KERNELS.md, "GEMV_MAX_ROWS"
 GEMV_MAX_ROWS = {torch.bfloat16: 3, torch.float32: 3}
+# ... for a weight that holds GGUF blocks: on CPUs with AVX2 but no AVX-512 the float32
+# block kernel dequantizes each weight tile once for all rows and beats oneDNN's float32
+# matmul up to the 64 rows it takes (docs/KERNELS.md, "GEMV_MAX_ROWS")
+GEMV_MAX_ROWS_BLOCKS = {
+    torch.bfloat16: GEMV_MAX_ROWS[torch.bfloat16],
+    torch.float32: GEMV_MAX_ROWS[torch.float32] if cpu_has_flag("avx512f") else 64,
+}
 # ... for a weight that holds AMX tiles (`LinearWeight.tiles`): the tile kernel, which
 # streams the weights too, wins from 2 rows (docs/PERF_RESULT.md, "Seventh round")
 GEMV_MAX_ROWS_TILES = 1
@@ -130,8 +137,12 @@ def _native_functions() -> dict[tuple[str, torch.dtype], ctypes._CFuncPtr] | Non
 
 
 def _gemv_max_rows(weight: LinearWeight) -> int:
-    # rows of this weight's matmuls that the C matrix-vector kernel takes
-    return GEMV_MAX_ROWS_TILES if weight.tiles is not None else GEMV_MAX_ROWS[weight.dtype]
+    # rows of this weight's matmuls that the C matrix-vector kernels take
+    if weight.tiles is not None:
+        return GEMV_MAX_ROWS_TILES
+    if weight.blocks is not None:
+        return GEMV_MAX_ROWS_BLOCKS[weight.dtype]
+    return GEMV_MAX_ROWS[weight.dtype]
 
 
 def _rows_ok(t: torch.Tensor) -> bool:

@@ -77,10 +77,12 @@ FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
 # them 8 at a time per weight tile): docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS". On CPUs
 # with AMX the per-op path's bf16 matmuls run on the AMX tiles and overtake the block
 # kernel past 8 rows (docs/PERF_RESULT.md, sixth round; again with the tile kernel,
-# docs/KERNELS.md, "Two output rows side by side").
+# docs/KERNELS.md, "Two output rows side by side"). On AVX2 CPUs (no AVX-512) the float32
+# block kernel dequantizes a weight tile once for all rows and the fused step wins up to
+# the kernel's 64 rows (docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS").
 FUSED_MAX_ROWS_BLOCKS = {
     torch.bfloat16: 8 if cpu_has_flag("amx_bf16") else 16,
-    torch.float32: 32,
+    torch.float32: 32 if cpu_has_flag("avx512f") else 64,
 }
 
 

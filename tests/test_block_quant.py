@@ -21,7 +21,7 @@ from sarazmq.kernels.block_quant import (
     block_quant_linear,
     from_gguf_blocks,
 )
-from sarazmq.kernels.cpu_ops import gemv
+from sarazmq.kernels.cpu_ops import GEMV_MAX_ROWS, GEMV_MAX_ROWS_BLOCKS, gemv
 from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, FUSED_MAX_ROWS_BLOCKS, FusedDecodeStep
 from sarazmq.kernels.ops import can_prepack_linear
 from sarazmq.model.llama import LlamaForCausalLM
@@ -91,12 +91,13 @@ def test_kernel_is_the_plain_kernel_on_the_dequantized_weight(
         ref_out = x.float() @ w.to(dtype).float().T
         torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
     # past 8 rows, groups of 8 rows over the same weight tiles: each group bitwise the
-    # plain kernel on its rows
-    x = torch.randn(19, k, generator=torch.Generator().manual_seed(19)).to(dtype)
-    out = block_quant_linear(x, blocks)
-    assert out is not None
-    for r0 in (0, 8, 16):
-        assert torch.equal(out[r0 : r0 + 8], _gemv(x[r0 : r0 + 8], w))
+    # plain kernel on its rows (a last group of one row too, which sums as one row does)
+    for rows in (17, 19, 64):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        out = block_quant_linear(x, blocks)
+        assert out is not None
+        for r0 in range(0, rows, 8):
+            assert torch.equal(out[r0 : r0 + 8], _gemv(x[r0 : r0 + 8], w)), f"{rows} rows"
     # strided rows (a view into a wider buffer) read right
     wide = torch.randn(3, k + 32).to(dtype)
     assert torch.equal(block_quant_linear(wide[:, :k], blocks), _gemv(wide[:, :k], w))
@@ -278,15 +279,29 @@ def test_model_with_blocks_gives_bitwise_the_plain_results(
     def same(a: str, b: str) -> bool:
         return all(torch.equal(x, y) for x, y in zip(runs[a], runs[b], strict=True))
 
-    assert same("per_op_blocks", "per_op")
-    if blocks_fused == plain_fused:
-        assert same("blocks", "plain")
-    else:  # oneDNN's matmuls on one side: float32 sums in another order
+    def close(a: str, b: str) -> None:  # oneDNN's matmuls on one side: sums in another order
         tol = 1e-4 if dtype == torch.float32 else 0.05
-        for x, y in zip(runs["blocks"], runs["plain"], strict=True):
+        for x, y in zip(runs[a], runs[b], strict=True):
             torch.testing.assert_close(x, y, atol=tol, rtol=tol)
-    if m <= 3:  # within the plain matrix-vector kernel's rows the two paths agree
-        assert same("blocks", "per_op")
+
+    if GEMV_MAX_ROWS_BLOCKS[dtype] == GEMV_MAX_ROWS[dtype]:
+        # per op, the blocks are read exactly where the plain kernel would run
+        assert same("per_op_blocks", "per_op")
+        if blocks_fused == plain_fused:
+            assert same("blocks", "plain")
+        else:
+            close("blocks", "plain")
+        if m <= GEMV_MAX_ROWS[dtype]:  # the plain kernel's rows: the two paths agree
+            assert same("blocks", "per_op")
+    else:
+        # (AVX2 CPUs) per op, blocks go to the block kernel up to GEMV_MAX_ROWS_BLOCKS
+        # rows, prefill rows included, where plain weights go to oneDNN
+        close("per_op_blocks", "per_op")
+        close("blocks", "plain")
+    # the fused step and the per-op path run the same kernels wherever the per-op path
+    # reads every matmul of a step as blocks (or the plain kernel for the plain ones)
+    if m <= (GEMV_MAX_ROWS[dtype] if mixed else min(GEMV_MAX_ROWS_BLOCKS[dtype], blocks_rows)):
+        assert same("blocks", "per_op_blocks")
 
 
 def test_blocks_that_do_not_hold_the_weight_are_refused() -> None:

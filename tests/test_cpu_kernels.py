@@ -384,10 +384,11 @@ def test_native_ops_fall_back_where_they_do_not_apply() -> None:
 
 
 # the model's shapes (hidden 576 -> qkv 960, MLP 1536, vocab rows), row counts below, at
-# and past each dtype's limit, widths off the 16-row tile, inputs with a row stride
+# and past each dtype's limit, widths off the 16-row tile (and AVX2's 8-row one, 15: 4 + 2
+# + 1 rows at one input row), an odd number of 8-wide pieces (40), inputs with a row stride
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9])
-@pytest.mark.parametrize("n_k", [(960, 576), (576, 1536), (49, 64), (16, 32)])
+@pytest.mark.parametrize("n_k", [(960, 576), (576, 1536), (49, 64), (16, 32), (15, 40)])
 def test_native_linear_matches_torch(dtype: torch.dtype, rows: int, n_k: tuple[int, int]) -> None:
     ref_ops, native = _ops()
     n, k = n_k
@@ -418,10 +419,11 @@ def test_native_linear_falls_back_where_it_does_not_apply() -> None:
     torch.testing.assert_close(
         native.linear(x64, LinearWeight(w64, b)), torch.nn.functional.linear(x64, w64, b)
     )
-    # float32 past its row limit, or with 40 inputs (not a multiple of 16): torch itself
+    # float32 past its row limit, or with 36 inputs (not a multiple of the kernel's 16
+    # lanes, 8 on AVX2): torch itself
     for xf, wf in (
         (torch.randn(9, 64), torch.randn(8, 64)),
-        (torch.randn(1, 40), torch.randn(8, 40)),
+        (torch.randn(1, 36), torch.randn(8, 36)),
     ):
         assert torch.equal(native.linear(xf, LinearWeight(wf)), torch.nn.functional.linear(xf, wf))
     # float16: not covered
@@ -446,10 +448,11 @@ def test_cpu_backend_chunk_with_long_context_matches_reference(dtype: torch.dtyp
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a POSIX shell wrapper")
-@pytest.mark.parametrize("no_flag", ["-mno-avx512f", "-mno-avx512bf16"])
+@pytest.mark.parametrize("no_flag", ["-mno-avx2", "-mno-avx512f", "-mno-avx512bf16"])
 def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None:
-    # the kernels built for a CPU without AVX-512 (the portable C path) or with AVX-512 but
-    # no BF16 dot products (bf16 keys widened to float32): the same results as the reference
+    # the kernels built for a CPU without AVX2 (the portable C path), without AVX-512 (the
+    # AVX2 float32 kernels) or with AVX-512 but no BF16 dot products (bf16 keys widened to
+    # float32): the same results as the reference
     import shutil
 
     cc = shutil.which("gcc") or shutil.which("cc")
@@ -479,7 +482,7 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "    ref = reference_attention(q.to(bf), kf, vf, meta.q_lens, meta.k_lens, 0.1)\n"
         "    torch.testing.assert_close(out.float(), ref.float(), atol=0.02, rtol=0.02)\n"
         # the fused decode step: where this build has the dtype's matrix-vector kernel,
-        # bitwise the per-op path; where not (no AVX-512; bf16 without AVX512-BF16) it
+        # bitwise the per-op path; where not (no AVX2; bf16 without AVX512-BF16) it
         # declines and the model runs per op
         "from tests.test_decode_step import compare_with_per_op\n"
         "used_f32, same = compare_with_per_op(torch.float32, 2)\n"
@@ -487,8 +490,14 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "used_bf16, same = compare_with_per_op(torch.bfloat16, 2)\n"
         "assert same\n"
         "print('fused', used_f32, used_bf16)\n"
-        # the GGUF block kernels need AVX-512, and for bf16 activations AVX512-BF16
+        # the GGUF block kernels need AVX-512 or AVX2 + FMA, and for bf16 activations
+        # AVX512-BF16; where built, bitwise the plain GEMV and close to the reference
         "from sarazmq.kernels.block_quant import block_quant_kernels_available\n"
+        "from tests.test_block_quant import (\n"
+        "    test_kernel_is_the_plain_kernel_on_the_dequantized_weight as same_as_plain)\n"
+        "if block_quant_kernels_available(torch.float32):\n"
+        "    for t in ('Q4_1', 'Q8_0'):\n"
+        "        same_as_plain(torch.float32, t, (100, 64))\n"
         "print('blocks', block_quant_kernels_available(torch.float32),\n"
         "      block_quant_kernels_available(torch.bfloat16))\n"
     )
@@ -499,9 +508,11 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "cache" / "native").glob("cpu_kernels-*.so"))
-    # no AVX-512 (the flag, or a CPU without it): no GEMV, so no fused step; AVX-512
-    # without BF16: float32 only
-    f32 = no_flag != "-mno-avx512f" and cpu_has_flag("avx512f")
+    # a float32 GEMV (so a fused step and block kernels) on AVX-512 or AVX2 + FMA, none
+    # without AVX2; bf16 ones only with AVX512-BF16
+    f32 = no_flag != "-mno-avx2" and (
+        cpu_has_flag("avx512f") or (cpu_has_flag("avx2") and cpu_has_flag("fma"))
+    )
     assert f"fused {f32} False" in proc.stdout
     assert f"blocks {f32} False" in proc.stdout
 

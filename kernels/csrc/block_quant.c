@@ -11,7 +11,8 @@
  * bitwise the plain kernel's on the dequantized matrix, while the bytes streamed per step
  * drop from 4 (float32) or 2 (bf16) per weight to 0.75 (Q4) or 1.125 (Q8). Decode of a
  * few sequences is bound by streaming the weights: this is the whole gain. Past
- * GEMV_MAX_ROWS rows the rows are taken in groups of that many per weight tile.
+ * GEMV_MAX_ROWS rows the rows are taken in groups of that many per weight tile. AVX2
+ * builds without AVX-512 take the float32 kernels from gemv_avx2.c.
  *
  * Layouts (made by sarazmq.kernels.block_quant from the GGUF blocks):
  *   Q4: qs uint8 [N, K/2], per row and block the GGUF's 16 bytes (byte j: low nibble
@@ -23,6 +24,7 @@
 #include "common.h"
 #include "kernels.h"
 
+#if !defined(AVX2_ONLY) /* AVX2 builds: gemv_avx2.c's float32 kernels and covers */
 int gemv_q_f32_covers(int M, int N, int K) {
 #if defined(__AVX512F__)
     return M >= 1 && M <= QGEMV_MAX_ROWS && N >= 1 && K >= 32 && K % 32 == 0;
@@ -31,6 +33,7 @@ int gemv_q_f32_covers(int M, int N, int K) {
     return 0;
 #endif
 }
+#endif
 
 #if defined(__AVX512F__)
 
@@ -251,7 +254,7 @@ DEFINE_QGEMV(gemv_q8_bf16, uint16_t, q8_tile_bf16)
         (void)M; (void)N; (void)K;                                                             \
         return -1;                                                                             \
     }
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !defined(AVX2_ONLY)
 QGEMV_STUB(gemv_q4_f32, float)
 QGEMV_STUB(gemv_q8_f32, float)
 #endif

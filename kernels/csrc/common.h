@@ -1,6 +1,7 @@
-/* Helpers shared by the CPU kernels (cpu_ops.c, cpu_attention.c, decode_step.c): bf16
- * conversions with torch's rounding, a vectorizable exp, and on AVX-512 the 16-way lane
- * sum. Header-only (static inline), so each file gets its own copy inlined. */
+/* Helpers shared by the CPU kernels (cpu_ops.c, cpu_attention.c, decode_step.c, the
+ * *_avx2.c files): bf16 conversions with torch's rounding, a vectorizable exp, and the
+ * lane sums (hsum16 on AVX-512, hsum8x8 on AVX2). Header-only (static inline), so each
+ * file gets its own copy inlined. */
 #ifndef SARAZMQ_COMMON_H
 #define SARAZMQ_COMMON_H
 
@@ -49,7 +50,13 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+/* AVX2 + FMA without AVX-512: builds whose float32 matrix-vector products and decode
+ * attention come from gemv_avx2.c and decode_attention_avx2.c */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_ONLY 1
+#endif
+
+#if defined(AVX2_ONLY)
 #include <immintrin.h>
 
 /* exp_approx on 8 lanes (AVX2 builds; exp512 below is the AVX-512 one) */
@@ -73,6 +80,30 @@ static inline __m256 exp256(__m256 x) {
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
                             _mm256_set1_ps(INFINITY), over);
+}
+
+/* lane t of the result = the sum of v[t]'s 8 lanes (8 keys' dot products, a tile of 8
+ * output rows), hsum16's plan on 8 lanes */
+static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                         _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+static inline float hadd8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
 }
 #endif
 

@@ -39,9 +39,10 @@ static inline int omp_threads(void) { return 1; }
 static inline void widen_f32(const float *src, float *dst, int n) { memcpy(dst, src, n * sizeof(float)); }
 
 static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
-    uint32_t *d = (uint32_t *)dst;
+    /* through bf()'s memcpy: stores through a uint32_t pointer into these float rows
+     * broke strict aliasing, and -O3 without AVX2 read the rows before they were written */
 #pragma omp simd
-    for (int i = 0; i < n; i++) d[i] = (uint32_t)src[i] << 16;
+    for (int i = 0; i < n; i++) dst[i] = bf(src[i]);
 }
 
 static inline float narrow_f32(float x) { return x; }

@@ -315,8 +315,9 @@ DEFINE_GEMV(gemv_bf16, uint16_t, 32, bf16_dp, bf16_store16)
 #define HAVE_GEMV_F32 1
 #endif
 
-/* Builds without the instructions: -1, the caller falls back to torch. */
-#ifndef HAVE_GEMV_F32
+/* Builds without the instructions: -1, the caller falls back to torch (AVX2 builds: the
+ * float32 kernel is gemv_avx2.c's). */
+#if !defined(HAVE_GEMV_F32) && !defined(AVX2_ONLY)
 int gemv_f32_covers(int M, int N, int K) {
     (void)M; (void)N; (void)K;
     return 0;

@@ -14,34 +14,10 @@
 #include "common.h"
 #include "kernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(AVX2_ONLY)
 
 #define ITEM_MAX_QHEADS 32 /* cpu_attention.c's MAX_ITEM_QHEADS */
 #define ITEM_MAX_ND 16     /* D up to 128 */
-
-/* v[0..7] -> lane t holds the sum of v[t]'s 8 lanes */
-static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {
-    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
-                         _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
-}
-
-static inline float hadd8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
-}
 
 static inline __attribute__((always_inline)) void item_f32(
     const int ND, const int G, const float *q, long q_stride, const float *k_cache,
