@@ -181,7 +181,7 @@ def _get() -> _Kernels:
 
 def block_quant_kernels_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the block matrix-vector kernels for `dtype` activations built for this CPU
-    (float32: AVX-512; bf16: also AVX512-BF16)."""
+    (float32: AVX-512, or AVX2 + FMA; bf16: AVX512-BF16)."""
     return _get().available.get(dtype, False)
 
 
@@ -203,7 +203,7 @@ def block_quant_linear(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tenso
     """x [M, K] (float32 or bf16) @ weight^T -> [M, N] in x's dtype: bitwise `gemv_f32` /
     `gemv_bf16` on the dequantized weight (bf16: rounded to bf16, as a bf16 model holds it);
     None (nothing computed) where the kernel does not apply (another dtype or device, more
-    than 64 rows (QGEMV_MAX_ROWS), a non-unit column stride, no AVX-512 / AVX512-BF16).
+    than 64 rows (QGEMV_MAX_ROWS), a non-unit column stride, a build without the kernels).
     Rows are taken 8 at a time (GEMV_MAX_ROWS) per weight tile; within each group the sums
     are the plain kernel's."""
     kernels = _get()

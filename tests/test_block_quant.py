@@ -29,7 +29,8 @@ from sarazmq.model.loader import load_model, load_model_config, resolve_model
 from tests.test_decode_step import PerOpCpuAttention, _model
 
 pytestmark = pytest.mark.skipif(
-    not block_quant_kernels_available(), reason="no AVX-512 block kernels on this CPU's build"
+    not block_quant_kernels_available(),
+    reason="no float32 block kernels in this CPU's build (neither AVX-512 nor AVX2)",
 )
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")

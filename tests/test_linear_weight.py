@@ -27,7 +27,8 @@ needs_native = pytest.mark.skipif(
     not cpu_attention_available(), reason="native CPU kernels unavailable (no C compiler)"
 )
 needs_blocks = pytest.mark.skipif(
-    not block_quant_kernels_available(), reason="no AVX-512 block kernels on this CPU's build"
+    not block_quant_kernels_available(),
+    reason="no float32 block kernels in this CPU's build (neither AVX-512 nor AVX2)",
 )
 needs_packing = pytest.mark.skipif(
     not can_prepack_linear(torch.float32, "cpu"), reason="no oneDNN prepacking in this torch"

@@ -29,7 +29,8 @@ void silu_mul_f32(const float *gate_up, long gu_stride, float *out, long o_strid
                   int inter);
 void silu_mul_bf16(const uint16_t *gate_up, long gu_stride, uint16_t *out, long o_stride,
                    long rows, int inter);
-/* whether gemv_* takes these sizes (1 if so) */
+/* whether gemv_* takes these sizes (1 if so); on AVX2 builds without AVX-512 the float32
+ * ones (and block_quant.c's float32 ones below) come from gemv_avx2.c */
 int gemv_f32_covers(int M, int N, int K);
 int gemv_bf16_covers(int M, int N, int K);
 int gemv_f32(const float *x, long x_stride, const float *w, float *y, long y_stride, int M,
