@@ -10,9 +10,11 @@
  * plain kernel's order, so the block kernels are bitwise gemv_f32 on the dequantized
  * matrix while streaming 0.75 or 1.125 bytes per weight instead of 4.
  *
- * Registers (16 on AVX2): up to 4 input rows, two output rows side by side (2M partials);
- * from 5 rows one output row at a time (M partials). Which is used does not change a
- * result: each partial sums its own pieces in order either way. */
+ * Registers (16 on AVX2), plain kernel: up to 4 input rows, two output rows side by side
+ * (2M partials); from 5 rows one output row at a time (M partials). Block kernels: up to
+ * 4 rows one output row at a time, each block dequantized in registers; past that a tile
+ * dequantized once into an L1 buffer (below). Which is used does not change a result:
+ * each partial sums its own pieces in order either way. */
 #include "common.h"
 #include "kernels.h"
 
@@ -196,14 +198,14 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *qs, con
 DEFINE_QROW(q4_row, Q4_AT)
 DEFINE_QROW(q8_row, Q8_AT)
 
-/* Two or more input rows: the tile's weights are dequantized once per chunk of at most KC
- * columns (K in equal chunks) into a buffer (8 rows x KC floats, in L1) and every input row is summed against it,
- * two weight rows and up to four input rows at a time (8 partials in registers, each x
- * piece loaded once for two rows, each weight piece once for four): one chain per input
- * and output row, in order, as the plain kernel's. The partials live in acc between
- * chunks. A last group of one row (M % GEMV_MAX_ROWS == 1) is summed as a one-row call
- * would (two chains), so that every group of GEMV_MAX_ROWS rows is bitwise the plain
- * kernel on its rows. */
+/* Past 4 input rows: the tile's weights are dequantized once per chunk of at most KC
+ * columns (K in equal chunks) into a buffer (8 rows x KC floats, 24 KB, in L1) and every
+ * input row is summed against it, two weight rows and up to four input rows at a time (8
+ * partials in registers, each x piece loaded once for two rows, each weight piece once
+ * for four): one chain per input and output row, in order, as the plain kernel's. The
+ * partials live in acc between chunks. A last group of one row (M % GEMV_MAX_ROWS == 1)
+ * is summed as a one-row call would (two chains), so that every group of GEMV_MAX_ROWS
+ * rows is bitwise the plain kernel on its rows. */
 #define KC 768
 
 static inline __attribute__((always_inline)) void rows_against_buffer(
@@ -248,16 +250,18 @@ static inline __attribute__((always_inline)) void rows_against_buffer(
                 for (int b = 0; b < kn / 32; b++) {                                            \
                     __m256 p[4];                                                               \
                     BLOCK(n0 + i, kc / 32 + b, p);                                             \
-                    for (int j = 0; j < 4; j++) _mm256_store_ps(wbuf + i * KC + 32 * b + 8 * j, p[j]); \
+                    for (int j = 0; j < 4; j++)                                                \
+                        _mm256_store_ps(wbuf + i * KC + 32 * b + 8 * j, p[j]);                 \
                 }                                                                              \
             int m0 = 0;                                                                        \
             for (; m0 + 4 <= M; m0 += 4)                                                       \
                 rows_against_buffer(4, x + (long)m0 * x_stride, x_stride, wbuf, nn, kc, kn,    \
                                     acc + m0);                                                 \
+            const float *xr = x + (long)m0 * x_stride; /* the last 1-3 rows */                 \
             switch (M - m0) {                                                                  \
-            case 1: rows_against_buffer(1, x + (long)m0 * x_stride, x_stride, wbuf, nn, kc, kn, acc + m0); break; \
-            case 2: rows_against_buffer(2, x + (long)m0 * x_stride, x_stride, wbuf, nn, kc, kn, acc + m0); break; \
-            case 3: rows_against_buffer(3, x + (long)m0 * x_stride, x_stride, wbuf, nn, kc, kn, acc + m0); break; \
+            case 1: rows_against_buffer(1, xr, x_stride, wbuf, nn, kc, kn, acc + m0); break;   \
+            case 2: rows_against_buffer(2, xr, x_stride, wbuf, nn, kc, kn, acc + m0); break;   \
+            case 3: rows_against_buffer(3, xr, x_stride, wbuf, nn, kc, kn, acc + m0); break;   \
             default: break;                                                                    \
             }                                                                                  \
         }                                                                                      \
