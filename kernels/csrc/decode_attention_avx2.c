@@ -3,13 +3,20 @@
  * is the model for this one).
  *
  * One work item: KV heads [h0, h1) of sequence n, each with its G query heads, over the
- * keys in runs of up to 8 inside one block. Per run and query head: the 8 keys' dot
- * products as 8-lane partial sums, summed across lanes 8 keys at once (hsum8x8), an
- * online-softmax update on those 8 scores (exp on 8 lanes), then the weighted V rows
- * into the head's accumulators. The next block's rows are requested while a run is
- * summed: blocks are scattered over the cache, so the hardware prefetcher cannot see the
- * next one coming. Head sizes 64 and 128 only (ND = D / 8 vectors a row, a compile-time
- * constant); the caller takes its portable loop for others.
+ * keys in runs of up to 8 inside one block. Per run, three passes over the query heads,
+ * none waiting on another head's results: the 8 keys' dot products as 8-lane partial
+ * sums, summed across lanes 8 keys at once (hsum8x8); the online-softmax update on those
+ * 8 scores (exp on 8 lanes); the weighted V rows into the head's accumulators.
+ *
+ * Blocks are scattered over the cache, so the hardware prefetcher cannot see the next
+ * rows coming. Their cache lines are requested a few at a time between the heads' dot
+ * products and V updates, PREFETCH_AHEAD tokens before they are read: requested all at
+ * once at the start of a run (as before), the requests filled the core's miss buffers,
+ * the core waited for memory, and then computed with nothing in flight, about 15 GB/s
+ * against the 26-31 GB/s a loop that only reads the same blocks reaches; spread out, the
+ * kernel reads about 25 GB/s (docs/KERNELS.md, "AVX2 decode attention"). Head sizes 64
+ * and 128 only (ND = D / 8 vectors a row, a compile-time constant); the caller takes its
+ * portable loop for others.
  */
 #include "common.h"
 #include "kernels.h"
@@ -18,6 +25,23 @@
 
 #define ITEM_MAX_QHEADS 32 /* cpu_attention.c's MAX_ITEM_QHEADS */
 #define ITEM_MAX_ND 16     /* D up to 128 */
+#define PREFETCH_AHEAD 16 /* tokens: one block at the default block size */
+
+/* Walks the cache lines of one run's K and V rows (K and V alternately, row by row), one
+ * prefetch a step; rows = 0 makes every step a no-op. */
+typedef struct {
+    const char *k, *v;
+    long stride;
+    int rows, lines, row, line, which;
+} pf_cursor;
+static inline __attribute__((always_inline)) void pf_step(pf_cursor *c) {
+    if (c->row >= c->rows) return;
+    _mm_prefetch((c->which ? c->v : c->k) + c->row * c->stride + c->line * 64, _MM_HINT_T0);
+    if (++c->which == 2) {
+        c->which = 0;
+        if (++c->line == c->lines) c->line = 0, c->row++;
+    }
+}
 
 static inline __attribute__((always_inline)) void item_f32(
     const int ND, const int G, const float *q, long q_stride, const float *k_cache,
@@ -27,8 +51,9 @@ static inline __attribute__((always_inline)) void item_f32(
     const long tok_stride = (long)Hkv * D;
     const long block_elems = (long)block_size * tok_stride;
     __m256 qv[ITEM_MAX_QHEADS][ITEM_MAX_ND], acc[ITEM_MAX_QHEADS][ITEM_MAX_ND];
-    float m[ITEM_MAX_QHEADS], l[ITEM_MAX_QHEADS];
-    __attribute__((aligned(32))) float p[8];
+    __m256 sv[ITEM_MAX_QHEADS];
+    float m[ITEM_MAX_QHEADS], l[ITEM_MAX_QHEADS], corr[ITEM_MAX_QHEADS];
+    __attribute__((aligned(32))) float p[ITEM_MAX_QHEADS][8];
     const __m256 sc = _mm256_set1_ps(scale), neg_inf = _mm256_set1_ps(-INFINITY);
     for (int c = 0; c < nq; c++) {
         const float *qr = q + (long)n * q_stride + (long)(h0 * G + c) * D;
@@ -48,24 +73,31 @@ static inline __attribute__((always_inline)) void item_f32(
         const float *kb = k_cache + (long)table[blk] * block_elems + (long)off * tok_stride +
                           (long)h0 * D;
         const float *vb = v_cache + (kb - k_cache);
-        /* the next block's rows at this run's offsets */
-        const int next_rows =
-            (blk + 1) * block_size < len ? len - (blk + 1) * block_size - off : 0;
-        if (next_rows > 0) {
-            const long next =
-                (long)table[blk + 1] * block_elems + (long)off * tok_stride + (long)h0 * D;
-            for (int t = 0; t < nt && t < next_rows; t++)
-                for (int b = 0; b < row_bytes; b += 64) {
-                    _mm_prefetch((const char *)(k_cache + next + t * tok_stride) + b, _MM_HINT_T1);
-                    _mm_prefetch((const char *)(v_cache + next + t * tok_stride) + b, _MM_HINT_T1);
-                }
+        /* the rows PREFETCH_AHEAD tokens on, requested a few lines at a time between the
+         * query heads' dot products and V updates (see the header) */
+        pf_cursor pc = {0};
+        if (start + PREFETCH_AHEAD < len) {
+            const int s2 = start + PREFETCH_AHEAD, b2 = s2 / block_size, o2 = s2 % block_size;
+            int n2 = len - s2 < nt ? len - s2 : nt;
+            if (n2 > block_size - o2) n2 = block_size - o2;
+            const long e2 = (long)table[b2] * block_elems + (long)o2 * tok_stride + (long)h0 * D;
+            pc.k = (const char *)(k_cache + e2);
+            pc.v = (const char *)(v_cache + e2);
+            pc.rows = n2;
+            pc.lines = row_bytes / 64;
+            pc.stride = tok_stride * (long)sizeof(float);
         }
+        /* lines to request per query head in each of the two passes */
+        const int per_pass = (2 * pc.rows * pc.lines + 2 * nq - 1) / (2 * nq);
         const __m256 live = _mm256_cmp_ps(
             _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)nt), _CMP_LT_OQ);
+        /* three passes over the run's query heads, each free of the others' results, so
+         * the out-of-order core overlaps heads: scores, softmax update, weighted V rows */
         for (int i = 0; i < h1 - h0; i++) {
             for (int g = 0; g < G; g++) {
                 const int c = i * G + g;
                 __m256 part[8];
+                for (int r = 0; r < per_pass; r++) pf_step(&pc);
                 for (int t = 0; t < 8; t++) {
                     if (t >= nt) {
                         part[t] = _mm256_setzero_ps();
@@ -77,25 +109,29 @@ static inline __attribute__((always_inline)) void item_f32(
                         d = _mm256_fmadd_ps(qv[c][j], _mm256_loadu_ps(kr + 8 * j), d);
                     part[t] = d;
                 }
-                const __m256 sv =
-                    _mm256_blendv_ps(neg_inf, _mm256_mul_ps(hsum8x8(part), sc), live);
-                const float bm = hmax8(sv);
-                if (bm > m[c]) { /* a new maximum: rescale what was summed so far */
-                    const float corr = exp_approx(m[c] - bm); /* 0 on the first run */
-                    const __m256 cv = _mm256_set1_ps(corr);
-                    for (int j = 0; j < ND; j++) acc[c][j] = _mm256_mul_ps(acc[c][j], cv);
-                    l[c] *= corr;
-                    m[c] = bm;
-                }
-                const __m256 pv =
-                    _mm256_and_ps(exp256(_mm256_sub_ps(sv, _mm256_set1_ps(m[c]))), live);
-                l[c] += hadd8(pv);
-                _mm256_store_ps(p, pv);
+                sv[c] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(hsum8x8(part), sc), live);
+            }
+        }
+        for (int c = 0; c < nq; c++) {
+            const float bm = hmax8(sv[c]);
+            /* a new maximum rescales what was summed so far (exactly 1 otherwise) */
+            corr[c] = bm > m[c] ? exp_approx(m[c] - bm) : 1.0f;
+            m[c] = bm > m[c] ? bm : m[c];
+            const __m256 pv =
+                _mm256_and_ps(exp256(_mm256_sub_ps(sv[c], _mm256_set1_ps(m[c]))), live);
+            l[c] = l[c] * corr[c] + hadd8(pv);
+            _mm256_store_ps(p[c], pv);
+        }
+        for (int i = 0; i < h1 - h0; i++) {
+            for (int g = 0; g < G; g++) {
+                const int c = i * G + g;
+                const __m256 cv = _mm256_set1_ps(corr[c]);
                 __m256 a[ITEM_MAX_ND]; /* this query head's accumulators, in registers */
-                for (int j = 0; j < ND; j++) a[j] = acc[c][j];
+                for (int j = 0; j < ND; j++) a[j] = _mm256_mul_ps(acc[c][j], cv);
+                for (int r = 0; r < per_pass; r++) pf_step(&pc);
                 for (int t = 0; t < nt; t++) {
                     const float *vr = vb + t * tok_stride + i * D;
-                    const __m256 pb = _mm256_set1_ps(p[t]);
+                    const __m256 pb = _mm256_set1_ps(p[c][t]);
                     for (int j = 0; j < ND; j++)
                         a[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * j), a[j]);
                 }
