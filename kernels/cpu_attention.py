@@ -28,6 +28,7 @@ from .cpu_attention_kernels import (
     paged_decode_attention,
     prefill_amx_available,
     prefill_attention,
+    prefill_f32_available,
     prefill_scratch_elems,
     write_kv_cache_native,
 )
@@ -143,7 +144,9 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> bool:
         k_len = meta.k_lens[i]
-        if q.dtype != torch.bfloat16 or not self.native_prefill or not cpu_attention_available():
+        if not self.native_prefill or not cpu_attention_available():
+            return False
+        if q.dtype != torch.bfloat16 and not (q.dtype == torch.float32 and prefill_f32_available()):
             return False
         bs = k_cache.shape[1]
         table = meta.block_tables[i, : -(-k_len // bs)]

@@ -93,6 +93,10 @@ class _Kernels:
         self.prefill_amx.argtypes = _PREFILL_ARGTYPES
         self.prefill_amx.restype = _c_int
         self.amx_supported = bool(lib.prefill_amx_supported())
+        self.prefill_f32 = lib.prefill_attention_f32
+        self.prefill_f32.argtypes = _PREFILL_ARGTYPES
+        self.prefill_f32.restype = _c_int
+        self.f32_prefill_supported = bool(lib.prefill_f32_supported())
         self.write_kv = lib.write_kv_cache
         self.write_kv.argtypes = _WRITE_ARGTYPES
         self.write_kv.restype = _c_int
@@ -222,7 +226,9 @@ def paged_decode_attention(
     return out if rc == 0 else None
 
 
-PREFILL_KERNELS = ("auto", "amx", "avx512")
+PREFILL_KERNELS = ("auto", "amx", "avx512", "avx2")
+# the prefill kernels that take each query dtype
+_DTYPE_KERNELS = {torch.bfloat16: ("auto", "amx", "avx512"), torch.float32: ("auto", "avx2")}
 
 
 def prefill_amx_available() -> bool:
@@ -230,6 +236,13 @@ def prefill_amx_available() -> bool:
     kernel granted the tile state by Linux)."""
     kernels = _get_kernels()
     return kernels is not None and kernels.amx_supported
+
+
+def prefill_f32_available() -> bool:
+    """Whether the float32 prefill kernel runs here (built for a CPU with AVX2 and FMA and
+    no AVX-512: prefill_attention_avx2.c)."""
+    kernels = _get_kernels()
+    return kernels is not None and kernels.f32_prefill_supported
 
 
 def prefill_attention(
@@ -244,21 +257,23 @@ def prefill_attention(
     kernel: str = "auto",
 ) -> bool:
     """Causal attention of one prefill chunk over its whole sequence, read from the paged
-    cache (bf16, head size 64 or 128); False when the kernel does not apply and nothing
-    was written.
+    cache (bf16 or float32, head size 64 or 128); False when the kernel does not apply and
+    nothing was written.
 
     q: [q_len, H, D] (token stride free, heads contiguous), the queries at positions
     k_len - q_len .. k_len - 1; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     contiguous, holding all k_len keys (the chunk's own included); block_table: int32
     block ids of the sequence; out: [q_len, H, D] like q (token stride free);
-    scratch: optional bf16 buffer of >= `prefill_scratch_elems` elements.
-    kernel: "amx" (matmuls on AMX tiles, prefill_amx.c), "avx512" (VDPBF16PS dot
-    products, CPUs with AVX512-BF16) or "auto" (AMX where it runs, else AVX-512).
+    scratch: optional buffer of q's dtype, >= `prefill_scratch_elems` elements.
+    kernel: for bf16, "amx" (matmuls on AMX tiles, prefill_amx.c) or "avx512" (VDPBF16PS
+    dot products, CPUs with AVX512-BF16); for float32, "avx2" (prefill_attention_avx2.c,
+    CPUs with AVX2 and FMA and no AVX-512); "auto": the one for q's dtype (AMX where it
+    runs, else AVX-512, for bf16). A kernel of another dtype does not apply (False).
     """
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"prefill kernel {kernel!r} is not one of {PREFILL_KERNELS}")
     kernels = _get_kernels()
-    if kernels is None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+    if kernels is None or q.device.type != "cpu" or kernel not in _DTYPE_KERNELS.get(q.dtype, ()):
         return False
     q_len, h, d = q.shape
     if (
@@ -278,7 +293,12 @@ def prefill_attention(
     if block_table.numel() * bs < k_len:
         raise IndexError(f"block table of {block_table.numel()} blocks is short for {k_len} keys")
     need = prefill_scratch_elems(k_len, hkv, d)
-    if scratch is None or scratch.numel() < need or scratch.dtype != q.dtype:
+    if (
+        scratch is None
+        or scratch.numel() < need
+        or scratch.dtype != q.dtype
+        or scratch.data_ptr() % 64 != 0  # the kernels' aligned vector loads
+    ):
         scratch = torch.empty(need, dtype=q.dtype)
     args = (
         q.data_ptr(),
@@ -299,9 +319,11 @@ def prefill_attention(
         scratch.data_ptr(),
     )
     rc = -1
-    if kernel != "avx512" and kernels.amx_supported:
+    if q.dtype == torch.float32:
+        rc = kernels.prefill_f32(*args)
+    elif kernel != "avx512" and kernels.amx_supported:
         rc = kernels.prefill_amx(*args)
-    if rc == -1 and kernel != "amx":
+    if rc == -1 and q.dtype == torch.bfloat16 and kernel != "amx":
         rc = kernels.prefill_bf16(*args)
     if rc == -2:
         raise IndexError(
@@ -313,7 +335,8 @@ def prefill_attention(
 
 def prefill_scratch_elems(k_len: int, num_kv_heads: int, head_dim: int) -> int:
     """Elements of the packed-K/V scratch `prefill_attention` needs: K and V of every KV
-    head, whole steps of 64 keys (the AMX kernel's step; the AVX-512 one takes 16)."""
+    head, whole steps of 64 keys (the AMX kernel's step; the AVX-512 and float32 ones take
+    16)."""
     return 2 * num_kv_heads * -(-k_len // 64) * 64 * head_dim
 
 

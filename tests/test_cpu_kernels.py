@@ -17,6 +17,7 @@ from sarazmq.kernels.cpu_attention_kernels import (
     paged_decode_attention,
     prefill_amx_available,
     prefill_attention,
+    prefill_f32_available,
     write_kv_cache_native,
 )
 from sarazmq.kernels.cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
@@ -182,8 +183,9 @@ def test_prefill_kernel_declines_what_it_cannot_do() -> None:
     q, k, v, k_cache, v_cache, meta, _, _ = _scenario([(4, 9)], 4, 2, 64, 4, seed=3)
     table = meta.block_tables[0]
     out = torch.empty_like(q)
-    # float32 and head sizes other than 64/128 take the SDPA path
-    assert not prefill_attention(q, k_cache, v_cache, table, 9, 0.1, out)
+    # float32 takes the SDPA path where its kernel is not built (tests/test_prefill_f32.py);
+    # head sizes other than 64/128 take it everywhere
+    assert prefill_attention(q, k_cache, v_cache, table, 9, 0.1, out) == prefill_f32_available()
     bf = torch.bfloat16
     q80 = torch.zeros(4, 4, 80, dtype=bf)
     c80 = torch.zeros(6, 4, 2, 80, dtype=bf)
@@ -542,6 +544,7 @@ def test_out_of_range_block_in_a_prefill_chunk_is_an_error() -> None:
     seqs = [(5, 20)]
     q, k, v, k_cache, v_cache, meta, _, _ = _scenario(seqs, 6, 2, 64, 4, seed=6)
     meta.block_tables[0, 0] = k_cache.shape[0] + 3
-    # float32: the chunk attends over its gathered context (the merge by log-sum-exp)
-    with pytest.raises(IndexError, match="block id out of range"):
+    # float32: the chunk attends through the native prefill kernel where it is built,
+    # else over its gathered context (the merge by log-sum-exp)
+    with pytest.raises(IndexError, match="block id (out of range|reaches outside the KV cache)"):
         CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.1)
