@@ -11,8 +11,10 @@ beats SDPA's CPU kernel (its bf16 matmuls on the tiles too, but the chunk and it
 as two calls merged by log-sum-exp); on CPUs with only AVX512-BF16 VDPBF16PS dot
 products, faster than SDPA there (which computes bf16 in float32). Where AMX is present
 but the kernel cannot use it, SDPA stays (it beats the VDPBF16PS kernel on AMX CPUs).
-float32 chunks keep the SDPA path (context and chunk merged by log-sum-exp). Numbers:
-docs/KERNELS.md, "CPU attention". Falls back to the torch path entirely when the kernels
+float32 chunks run natively on CPUs with AVX2 and no AVX-512 (prefill_attention_avx2.c:
+SDPA's CPU kernel computes the whole causal square of a chunk of up to 512 keys); on
+AVX-512 CPUs they keep the SDPA path (context and chunk merged by log-sum-exp), not
+measured against the kernel there. Numbers: docs/KERNELS.md, "CPU attention". Falls back to the torch path entirely when the kernels
 cannot be built (no C compiler) or a shape is beyond their limits.
 """
 
@@ -54,8 +56,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(
         self, decode_group_bytes: int = _DECODE_GROUP_BYTES, native_prefill: bool | None = None
     ) -> None:
-        """native_prefill: bf16 prefill chunks through the native kernel (True) or SDPA
-        (False); None: the native kernel where it is the faster one (module docstring)."""
+        """native_prefill: prefill chunks through the native kernels (True) or SDPA (False);
+        None: the native kernel where it is the faster one (module docstring)."""
         super().__init__(decode_group_bytes)
         if native_prefill is None:
             native_prefill = prefill_amx_available() or not cpu_has_flag("amx_bf16")
