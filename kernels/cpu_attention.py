@@ -14,8 +14,9 @@ but the kernel cannot use it, SDPA stays (it beats the VDPBF16PS kernel on AMX C
 float32 chunks run natively on CPUs with AVX2 and no AVX-512 (prefill_attention_avx2.c:
 SDPA's CPU kernel computes the whole causal square of a chunk of up to 512 keys); on
 AVX-512 CPUs they keep the SDPA path (context and chunk merged by log-sum-exp), not
-measured against the kernel there. Numbers: docs/KERNELS.md, "CPU attention". Falls back to the torch path entirely when the kernels
-cannot be built (no C compiler) or a shape is beyond their limits.
+measured against the kernel there. Numbers: docs/KERNELS.md, "CPU attention". Falls
+back to the torch path entirely when the kernels cannot be built (no C compiler) or a
+shape is beyond their limits.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
  * once at the start of a run (as before), the requests filled the core's miss buffers,
  * the core waited for memory, and then computed with nothing in flight, about 15 GB/s
  * against the 26-31 GB/s a loop that only reads the same blocks reaches; spread out, the
- * kernel reads about 25 GB/s (docs/KERNELS.md, "AVX2 decode attention"). Head sizes 64
+ * kernel reads about 25 GB/s (docs/KERNELS.md, "CPU attention"). Head sizes 64
  * and 128 only (ND = D / 8 vectors a row, a compile-time constant); the caller takes its
  * portable loop for others.
  */

@@ -7,14 +7,16 @@
  * SDPA's CPU kernel, the path float32 chunks took before, splits a chunk of up to 512
  * keys into one key block, so its causal mask saves nothing: it computes the whole
  * square and runs causal chunks at half its unmasked rate (docs/KERNELS.md, "CPU
- * attention"). Here the keys go in steps of 16 and each row group stops at its last row.
+ * attention"). Here each row group stops at its last row, to 16 keys.
  *
  * Phase 1 packs each KV head's keys in runs of 8: K transposed to [D][8] (a vector holds
  * one dimension of 8 keys, so scores need no horizontal sums), V as [8][D] rows. Phase 2:
- * work items of 4 query rows of one query head, latest rows first; per step of 16 keys,
- * the 4 rows' scores (broadcast query element x packed K, two vectors a row), an online
- * softmax update in registers, then the probabilities times the V rows into the rows'
- * output accumulators (in L1: 4 rows x D floats, 16 columns at a time).
+ * work items of 6 query rows of one query head, latest rows first; per step of 64 keys
+ * (the last one as many 16-key pieces as the rows reach): the rows' scores 16 keys at a
+ * time (broadcast query element x packed K: 6 x 2 accumulators, the most AVX2's 16
+ * registers hold beside two key vectors and a broadcast; with fewer, the FMA latency
+ * bounds it), one online-softmax update per row, then the probabilities times the V rows
+ * into the rows' output accumulators (in L1: 6 rows x D floats, 16 columns at a time).
  */
 #include <string.h>
 
@@ -24,9 +26,7 @@
 #if defined(AVX2_ONLY)
 #define HAVE_PREFILL_F32 1
 
-#ifndef PF_ROWS
-#define PF_ROWS 6 /* query rows per work item: 12 accumulators, 3 registers to spare */
-#endif
+#define PF_ROWS 6 /* query rows per work item (see the header) */
 #define PF_MAX_D 128
 #define PF_STEP 64 /* keys a step: one softmax update per row */
 
