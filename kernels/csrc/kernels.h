@@ -88,6 +88,16 @@ int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, c
 int prefill_check(const int32_t *table, int q_len, int k_len, int H, int Hkv, int D,
                   int block_size, long num_blocks);
 
+/* The body of a prefill entry (the arguments as prefill_check's callers name them) in a
+ * build without its kernel: -1, the caller falls back */
+#define PREFILL_NOT_BUILT()                                                                    \
+    do {                                                                                       \
+        (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)table, (void)q_len;      \
+        (void)k_len, (void)H, (void)Hkv, (void)D, (void)block_size, (void)scale, (void)out;   \
+        (void)out_stride, (void)num_blocks, (void)scratch;                                     \
+        return -1;                                                                             \
+    } while (0)
+
 /* K and V of keys run * 16 .. run * 16 + 15 of KV head h in the packed layouts of the
  * prefill kernels: K [D/2][16], V [8][D], 32-bit words; keys past k_len are zeros */
 void prefill_pack_kv_run(const uint16_t *k_cache, const uint16_t *v_cache,

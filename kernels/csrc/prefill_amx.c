@@ -240,9 +240,6 @@ int prefill_attention_amx_bf16(const uint16_t *q, long q_stride, const uint16_t 
     }
     return 0;
 #else
-    (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)table; (void)q_len;
-    (void)k_len; (void)H; (void)Hkv; (void)D; (void)block_size; (void)scale; (void)out;
-    (void)out_stride; (void)num_blocks; (void)scratch;
-    return -1;
+    PREFILL_NOT_BUILT();
 #endif
 }
