@@ -82,6 +82,12 @@ static inline __m256 exp256(__m256 x) {
                             _mm256_set1_ps(INFINITY), over);
 }
 
+/* silu(x) = x / (1 + exp(-x)) on 8 lanes, float32: silu16's math (the same bits) */
+static inline __m256 silu8(__m256 x) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 /* lane t of the result = the sum of v[t]'s 8 lanes (8 keys' dot products, a tile of 8
  * output rows), hsum16's plan on 8 lanes */
 static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 v[8]) {

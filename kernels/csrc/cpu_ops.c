@@ -167,6 +167,10 @@ void silu_mul_f32(const float *gate_up, long gu_stride, float *out, long o_strid
         for (; j + 16 <= inter; j += 16)
             _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)),
                                                   _mm512_loadu_ps(u + j)));
+#elif defined(AVX2_ONLY)
+        for (; j + 8 <= inter; j += 8)
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j)),
+                                                  _mm256_loadu_ps(u + j)));
 #endif
         for (; j < inter; j++) o[j] = (g[j] / (1.0f + exp_approx(-g[j]))) * u[j];
     }
