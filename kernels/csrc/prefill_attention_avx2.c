@@ -79,12 +79,10 @@ static void pack_run_f32(const float *k_cache, const float *v_cache, const int32
 }
 
 /* The scores of the PF_ROWS rows qr[r] against the 16 keys of packed runs k0 and
- * k0 + 8 D, scaled, into s[r][col .. col + 15]; mx[r] = max(mx[r], those scores) lane by
- * lane (the step's maximum, for rows that see every key of the step). */
+ * k0 + 8 D, scaled, into s[r][col .. col + 15]. */
 static inline __attribute__((always_inline)) void scores16(const int D, const float *const *qr,
                                                            const float *k0, __m256 sc,
-                                                           float s[][PF_STEP], int col,
-                                                           __m256 *mx) {
+                                                           float s[][PF_STEP], int col) {
     const float *k1 = k0 + 8L * D;
     __m256 a[PF_ROWS][2]; /* 2 x PF_ROWS accumulators, all in registers once unrolled */
 #pragma GCC unroll 8
@@ -100,10 +98,8 @@ static inline __attribute__((always_inline)) void scores16(const int D, const fl
     }
 #pragma GCC unroll 8
     for (int r = 0; r < PF_ROWS; r++) {
-        const __m256 s0 = _mm256_mul_ps(a[r][0], sc), s1 = _mm256_mul_ps(a[r][1], sc);
-        _mm256_store_ps(s[r] + col, s0);
-        _mm256_store_ps(s[r] + col + 8, s1);
-        mx[r] = _mm256_max_ps(mx[r], _mm256_max_ps(s0, s1));
+        _mm256_store_ps(s[r] + col, _mm256_mul_ps(a[r][0], sc));
+        _mm256_store_ps(s[r] + col + 8, _mm256_mul_ps(a[r][1], sc));
     }
 }
 
@@ -159,25 +155,18 @@ static inline __attribute__((always_inline)) void prefill_rows_f32(
     for (int key0 = 0; key0 <= last; key0 += PF_STEP) {
         /* keys key0 .. key0 + n - 1 this step, whole 16-key pieces */
         const int n = last - key0 >= PF_STEP ? PF_STEP : (last - key0) / 16 * 16 + 16;
-        __m256 step_max[PF_ROWS];
-        for (int r = 0; r < PF_ROWS; r++) step_max[r] = neg_inf;
         for (int col = 0; col < n; col += 16)
-            scores16(D, qr, kp + (long)(key0 + col) * D, sc, sp, col, step_max);
+            scores16(D, qr, kp + (long)(key0 + col) * D, sc, sp, col);
         for (int r = 0; r < PF_ROWS; r++) {
-            /* causal: key key0 + t is visible to the row at position pos[r]; a row that
-             * sees every key of the step keeps its scores and scores16's maximum */
-            const int masked = key0 + n - 1 > pos[r];
-            __m256 mx = step_max[r];
-            if (masked) {
-                const __m256 lim = _mm256_set1_ps((float)(pos[r] - key0));
-                mx = neg_inf;
-                for (int c = 0; c < n; c += 8) {
-                    const __m256 live = _mm256_cmp_ps(
-                        _mm256_add_ps(lane, _mm256_set1_ps((float)c)), lim, _CMP_LE_OQ);
-                    const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_load_ps(sp[r] + c), live);
-                    _mm256_store_ps(sp[r] + c, x);
-                    mx = _mm256_max_ps(mx, x);
-                }
+            /* causal: key key0 + t is visible to the row at position pos[r] */
+            const __m256 lim = _mm256_set1_ps((float)(pos[r] - key0));
+            __m256 mx = neg_inf;
+            for (int c = 0; c < n; c += 8) {
+                const __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)c)),
+                                                  lim, _CMP_LE_OQ);
+                const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_load_ps(sp[r] + c), live);
+                _mm256_store_ps(sp[r] + c, x);
+                mx = _mm256_max_ps(mx, x);
             }
             const float bm = hmax8(mx); /* -inf: no key visible to this row here */
             if (bm > m[r]) { /* a new maximum: rescale what was summed so far */
@@ -190,21 +179,13 @@ static inline __attribute__((always_inline)) void prefill_rows_f32(
             }
             const __m256 mv = _mm256_set1_ps(m[r]);
             __m256 sum = _mm256_setzero_ps();
-            if (masked) {
-                for (int c = 0; c < n; c += 8) {
-                    const __m256 x = _mm256_load_ps(sp[r] + c);
-                    /* masked keys (-inf) to exactly 0: exp256 clamps its input */
-                    const __m256 pv = _mm256_and_ps(exp256(_mm256_sub_ps(x, mv)),
-                                                    _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
-                    _mm256_store_ps(sp[r] + c, pv);
-                    sum = _mm256_add_ps(sum, pv);
-                }
-            } else {
-                for (int c = 0; c < n; c += 8) {
-                    const __m256 pv = exp256(_mm256_sub_ps(_mm256_load_ps(sp[r] + c), mv));
-                    _mm256_store_ps(sp[r] + c, pv);
-                    sum = _mm256_add_ps(sum, pv);
-                }
+            for (int c = 0; c < n; c += 8) {
+                const __m256 x = _mm256_load_ps(sp[r] + c);
+                /* masked keys (-inf) to exactly 0: exp256 clamps its input */
+                const __m256 pv = _mm256_and_ps(exp256(_mm256_sub_ps(x, mv)),
+                                                _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
+                _mm256_store_ps(sp[r] + c, pv);
+                sum = _mm256_add_ps(sum, pv);
             }
             l[r] += hadd8(sum);
         }
