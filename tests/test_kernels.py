@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -380,7 +382,10 @@ def test_select_backend_on_cpu() -> None:
     with pytest.raises(ValueError, match="CUDA"):
         select_attention_backend("flash_attn", cpu, 256)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        select_attention_backend("triton", cpu, 16)
+        select_attention_backend("tensorrt", cpu, 16)
+    if importlib.util.find_spec("triton") is not None and not os.environ.get("TRITON_INTERPRET"):
+        with pytest.raises(ValueError, match="CUDA"):  # a real backend, not on a CPU
+            select_attention_backend("triton", cpu, 16)
 
 
 def test_flash_attn_backend_validates_block_size() -> None:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
-from sarazmq.kernels import select_attention_backend
+from sarazmq.kernels import select_attention_backend_with_reason
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.loader import load_model, resolve_model
 from sarazmq.worker.model_runner import ModelRunner
 from sarazmq.worker.pipeline import ActivationLink, Placement, StageLinks
 from sarazmq.worker.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 
 def build_model_runner(
@@ -39,13 +42,14 @@ def build_model_runner(
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
     dtype = getattr(torch, config.dtype)
-    attention = select_attention_backend(
+    attention, attention_reason = select_attention_backend_with_reason(
         config.attention_backend,
         device,
         config.cache.block_size,
         dtype,
         kv_cache_dtype=config.cache.kv_cache_dtype,
     )
+    log.info("worker %d: %s", rank, attention_reason)
     model = load_model(
         resolve_model(config.model),
         model_config,
