@@ -54,7 +54,7 @@ GEMV_MAX_ROWS_BLOCKS = {
     torch.float32: GEMV_MAX_ROWS[torch.float32] if cpu_has_flag("avx512f") else 64,
 }
 # ... for a weight that holds AMX tiles (`LinearWeight.tiles`): the tile kernel, which
-# streams the weights too, wins from 2 rows (docs/PERF_RESULT.md, "Seventh round")
+# streams the weights too, wins from 2 rows (docs/PERF_LOG.md, "Seventh round")
 GEMV_MAX_ROWS_TILES = 1
 _GEMV_KERNEL_ROWS = 8  # GEMV_MAX_ROWS of kernels.h: the most rows one call takes
 _GEMV_ARGTYPES = [_P, _L, _P, _P, _L, _I, _I, _I]

@@ -76,7 +76,7 @@ FUSED_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 6}
 # The same with every matmul as the GGUF's quantized blocks (past 8 rows the kernel takes
 # them 8 at a time per weight tile): docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS". On CPUs
 # with AMX the per-op path's bf16 matmuls run on the AMX tiles and overtake the block
-# kernel past 8 rows (docs/PERF_RESULT.md, sixth round; again with the tile kernel,
+# kernel past 8 rows (docs/PERF_LOG.md, "Sixth round"; again with the tile kernel,
 # docs/KERNELS.md, "Two output rows side by side"). On AVX2 CPUs (no AVX-512) the float32
 # block kernel dequantizes a weight tile once for all rows and the fused step wins up to
 # the kernel's 64 rows (docs/KERNELS.md, "FUSED_MAX_ROWS_BLOCKS").

@@ -6,8 +6,7 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-from sarazmq.api.app import APIConfig
-from sarazmq.api.server import HTTPBind, serve_http
+from sarazmq.api import APIConfig, HTTPBind, serve_http
 from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.procs.common import ProcSpec, async_body, run_process
 

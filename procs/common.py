@@ -21,13 +21,19 @@ import msgspec
 import zmq
 
 from sarazmq.config import DeploymentConfig, EngineConfig, ModelConfig
-from sarazmq.procs.endpoints import Endpoints
+from sarazmq.procs.endpoints import Endpoints, InstanceEndpoints
 from sarazmq.procs.sockets import push_socket
 from sarazmq.protocol.launcher import Failed, Ready
 
+#: the process kinds that belong to one engine instance (the others serve them all)
+INSTANCE_KINDS = ("scheduler", "worker", "detokenizer")
+
 
 class ProcSpec(msgspec.Struct):
-    """Everything a child process needs, sent to it as msgpack on stdin."""
+    """Everything a child process needs, sent to it as msgpack on stdin.
+
+    instance: the engine instance a scheduler, worker or detokenizer belongs to (its
+    sockets are `endpoints.instances[instance]`)."""
 
     kind: str
     index: int
@@ -35,6 +41,20 @@ class ProcSpec(msgspec.Struct):
     model_config: ModelConfig
     deployment: DeploymentConfig
     endpoints: Endpoints
+    instance: int = 0
+
+    @property
+    def name(self) -> str:
+        """The process's name in logs, READY and failure messages: "worker-1", or with
+        several instances "replica2-worker-1"."""
+        if self.config.data_parallel_size > 1 and self.kind in INSTANCE_KINDS:
+            return f"replica{self.instance}-{self.kind}-{self.index}"
+        return f"{self.kind}-{self.index}"
+
+    @property
+    def own(self) -> InstanceEndpoints:
+        """The sockets of this process's instance."""
+        return self.endpoints.instances[self.instance]
 
 
 class Stopped(BaseException):
@@ -88,7 +108,7 @@ def run_process(body: Callable[[ProcSpec, zmq.Context, Callable[..., None]], Non
     body(spec, ctx, ready) must call ready(**info) once it serves.
     """
     spec = read_spec()
-    name = f"{spec.kind}-{spec.index}"
+    name = spec.name
     if spec.kind == "frontend":
         # The frontend never blocks for long (it runs no model), so it can take a
         # catchable signal when the launcher dies, and clean up the files the launcher

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from sarazmq.detokenizer.service import DetokenizerService
+from sarazmq.detokenizer import DetokenizerService
 from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.procs.common import ProcSpec, recv_interruptible, run_process
 from sarazmq.procs.sockets import pull_socket, push_socket
@@ -16,9 +16,9 @@ from sarazmq.protocol.engine import DetokenizerInbound, OutputBatch, StopStringH
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     service = DetokenizerService(load_tokenizer(resolve_model(spec.config.model)))
-    inbound = pull_socket(ctx, spec.endpoints.detokenizers[spec.index])
+    inbound = pull_socket(ctx, spec.own.detokenizers[spec.index])
     frontend = push_socket(ctx, spec.endpoints.frontend_in)
-    scheduler = push_socket(ctx, spec.endpoints.scheduler_in)
+    scheduler = push_socket(ctx, spec.own.scheduler_in)
     decoder = msgspec.msgpack.Decoder(DetokenizerInbound)
     enc = msgspec.msgpack.Encoder()
     ready()

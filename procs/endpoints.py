@@ -19,17 +19,25 @@ import msgspec
 from sarazmq.config import CurveKeys, DeploymentConfig, EngineConfig
 
 
-class Endpoints(msgspec.Struct):
-    """Every socket address of one deployment; each PULL is bound by its owner."""
+class InstanceEndpoints(msgspec.Struct):
+    """The sockets of one engine instance (its scheduler, workers and detokenizers) and
+    its workers' torch.distributed rendezvous."""
 
-    public: str
     scheduler_in: str
-    frontend_in: str
     worker_plans: list[str]
     worker_result: str
     detokenizers: list[str]
-    launcher: str
     dist_init: str
+
+
+class Endpoints(msgspec.Struct):
+    """Every socket address of one deployment; each PULL is bound by its owner.
+    instances: one set per engine instance (data-parallel replicas)."""
+
+    public: str
+    frontend_in: str
+    launcher: str
+    instances: list[InstanceEndpoints]
     # multi-node only: the node link's tcp endpoint (the head binds it, nodes connect)
     # and the head's nodelink process's control socket (from the launcher)
     link: str = ""
@@ -91,6 +99,26 @@ def check_multinode(config: EngineConfig, dep: DeploymentConfig) -> range:
     return ranks
 
 
+def make_instance_endpoints(
+    rundir: str,
+    instance: int,
+    num_workers: int,
+    num_detokenizers: int,
+    dist_init: str | None = None,
+) -> InstanceEndpoints:
+    """One instance's endpoints: ipc files in `rundir` (instance 0's without a prefix, as
+    a single-instance deployment names them); dist_init: torch.distributed's rendezvous
+    (default: a fresh loopback port)."""
+    ipc = f"ipc://{rundir}/{f'r{instance}-' if instance else ''}"
+    return InstanceEndpoints(
+        scheduler_in=f"{ipc}scheduler.ipc",
+        worker_plans=[f"{ipc}worker{r}.ipc" for r in range(num_workers)],
+        worker_result=f"{ipc}result.ipc",
+        detokenizers=[f"{ipc}detok{i}.ipc" for i in range(num_detokenizers)],
+        dist_init=dist_init or f"tcp://127.0.0.1:{free_tcp_port()}",
+    )
+
+
 def make_endpoints(
     rundir: str,
     public: str | None,
@@ -98,20 +126,24 @@ def make_endpoints(
     num_detokenizers: int,
     dist_init: str | None = None,
     link: str = "",
+    num_instances: int = 1,
 ) -> Endpoints:
     """The deployment's endpoints: ipc files in `rundir` (the public one too unless
-    given); dist_init: torch.distributed's rendezvous (default: a fresh loopback port);
-    link: the node link of a multi-node deployment."""
+    given); dist_init: instance 0's torch.distributed rendezvous (default: a fresh
+    loopback port per instance); link: the node link of a multi-node deployment;
+    num_instances: engine instances (each with num_workers workers and num_detokenizers
+    detokenizers)."""
     ipc = f"ipc://{rundir}"
     return Endpoints(
         public=public or f"{ipc}/public.ipc",
-        scheduler_in=f"{ipc}/scheduler.ipc",
         frontend_in=f"{ipc}/frontend.ipc",
-        worker_plans=[f"{ipc}/worker{r}.ipc" for r in range(num_workers)],
-        worker_result=f"{ipc}/result.ipc",
-        detokenizers=[f"{ipc}/detok{i}.ipc" for i in range(num_detokenizers)],
         launcher=f"{ipc}/launcher.ipc",
-        dist_init=dist_init or f"tcp://127.0.0.1:{free_tcp_port()}",
+        instances=[
+            make_instance_endpoints(
+                rundir, i, num_workers, num_detokenizers, dist_init if i == 0 else None
+            )
+            for i in range(num_instances)
+        ],
         link=link,
         link_control=f"{ipc}/nodelink.ipc" if link else "",
     )
@@ -175,3 +207,25 @@ def check_http_bind(host: str, api_key: str | None) -> None:
             "can reach it could use the engine. Pass --api-key or --api-key-file, or bind "
             "127.0.0.1"
         )
+
+
+#: ipc files of instance 0 (the other instances' carry an "rN-" prefix)
+_INSTANCE_FILES = ("scheduler", "worker", "result", "detok")
+
+
+def remove_ipc_files(rundir: str, public: str, prefix: str | None = None) -> None:
+    """Removes a deployment's ipc files (not the launcher's) and its public one; with
+    `prefix`, only one instance's ("rN-", or "" for instance 0, whose files have none)."""
+    for name in os.listdir(rundir):
+        if not name.endswith(".ipc") or name == "launcher.ipc":
+            continue
+        if prefix is not None and not (
+            name.startswith(prefix) if prefix else name.startswith(_INSTANCE_FILES)
+        ):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(rundir, name))
+    path = ipc_path(public) if prefix is None else None
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -26,8 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sarazmq.frontend.prompts import PromptTokenizer
-from sarazmq.frontend.service import (
+from sarazmq.frontend import (
     GONE_BACKLOG,
     GONE_TIMEOUT,
     GONE_UNREACHABLE,
@@ -35,12 +34,14 @@ from sarazmq.frontend.service import (
     ClientReply,
     FrontendActions,
     FrontendService,
+    PromptTokenizer,
 )
 from sarazmq.model.loader import load_tokenizer, resolve_model
 from sarazmq.procs.common import ProcSpec, async_body, run_process
 from sarazmq.procs.sockets import public_router, pull_socket, push_socket
-from sarazmq.protocol.engine import FrontendInbound
+from sarazmq.protocol.engine import FrontendInbound, InstanceDown
 from sarazmq.protocol.launcher import Drained
+from sarazmq.router import build_router
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_S = 0.2
@@ -85,11 +86,12 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
             max_kv_tokens=cfg.cache.num_blocks * cfg.cache.block_size,
         ),
         client_timeout=dep.client_timeout,
+        router=build_router(cfg),
     )
     ctx = zmq.asyncio.Context()
     public = public_router(ctx, spec.endpoints.public, dep.curve, dep.max_client_backlog)
     inbound = pull_socket(ctx, spec.endpoints.frontend_in)
-    scheduler = push_socket(ctx, spec.endpoints.scheduler_in)
+    schedulers = [push_socket(ctx, inst.scheduler_in) for inst in spec.endpoints.instances]
     launcher = push_socket(ctx, spec.endpoints.launcher)
     enc = msgspec.msgpack.Encoder()
     in_decoder = msgspec.msgpack.Decoder(FrontendInbound)
@@ -100,8 +102,8 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
         pending = [acts]
         while pending:
             a = pending.pop()
-            for msg in a.to_scheduler:
-                await scheduler.send(enc.encode(msg))
+            for instance, msg in zip(a.to_instance, a.to_scheduler, strict=True):
+                await schedulers[instance].send(enc.encode(msg))
             for identity, why in await sender.send(a.to_clients):
                 pending.append(frontend.on_client_gone(identity, why))
 
@@ -141,6 +143,12 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
             except msgspec.DecodeError as e:  # a bug elsewhere must not take the endpoint down
                 log.error("undecodable internal message: %s", e)
                 continue
+            if isinstance(msg, InstanceDown) and 0 <= msg.instance < len(schedulers):
+                # what was queued for the dead scheduler must not reach its successor
+                schedulers[msg.instance].close(linger=0)
+                schedulers[msg.instance] = push_socket(
+                    ctx, spec.endpoints.instances[msg.instance].scheduler_in
+                )
             await apply(frontend.on_engine_message(msg))
             await check_drained()
 
@@ -151,7 +159,7 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
             acts = frontend.drain_tick()
             for identity in frontend.expired_clients():
                 gone = frontend.on_client_gone(identity, GONE_TIMEOUT)
-                acts.to_scheduler.extend(gone.to_scheduler)
+                acts.extend(gone)
             if time.monotonic() >= next_heartbeat:
                 next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL_S
                 acts.to_clients.extend(frontend.heartbeats())

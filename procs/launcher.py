@@ -18,7 +18,6 @@ as any dead child does. The other nodes run `sarazmq.procs.node.NodeAgent`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -38,22 +37,24 @@ from sarazmq.procs.endpoints import (
     check_multinode,
     check_public_endpoint,
     dist_init_method,
-    ipc_path,
     link_endpoint,
     make_endpoints,
+    make_instance_endpoints,
+    remove_ipc_files,
     world_size,
 )
-from sarazmq.procs.nodelink import tell_nodelink_stopping
-from sarazmq.procs.sockets import pull_socket, push_socket
+from sarazmq.procs.nodelink import lost_node_reason, tell_nodelink_stopping
+from sarazmq.procs.sockets import pull_socket, send_once
 from sarazmq.procs.spawn import (
     Child,
     DeploymentError,
+    await_drained,
     await_ready,
     decode_launcher_message,
     spawn_child,
     stop_children,
 )
-from sarazmq.protocol.engine import Drain, EngineDead
+from sarazmq.protocol.engine import Drain, EngineDead, InstanceDown, InstanceUp
 from sarazmq.protocol.launcher import (
     Drained,
     Failed,
@@ -90,6 +91,15 @@ class Deployment:
             )
         # the head's workers (all of them on a single node)
         self.local_ranks = check_multinode(self.config, self.deployment)
+        self.num_instances = self.config.data_parallel_size
+        if self.num_instances > 1 and self.multinode:
+            raise ValueError(
+                "--dp > 1 runs every replica on this node: --nnodes > 1 with --dp is not "
+                "supported yet (run one deployment per node)"
+            )
+        # per instance: restarts so far (data-parallel replicas restart one at a time)
+        self.instance_restarts = [0] * self.num_instances
+        self.down_instances: set[int] = set()
         self.rundir = tempfile.mkdtemp(prefix="sarazmq-")  # mode 0700: only we can enter
         self.endpoints = self._make_endpoints()
         self.children: list[Child] = []
@@ -122,6 +132,7 @@ class Deployment:
             dep.num_detokenizers,
             dist_init=dist_init_method(dep) if self.multinode else None,
             link=link_endpoint(dep) if self.multinode else "",
+            num_instances=self.config.data_parallel_size,
         )
 
     @property
@@ -138,7 +149,7 @@ class Deployment:
 
     # ---- start ---------------------------------------------------------------------
 
-    def _spawn(self, kind: str, index: int, threads: int) -> None:
+    def _spawn(self, kind: str, index: int, threads: int, instance: int = 0) -> Child:
         spec = ProcSpec(
             kind=kind,
             index=index,
@@ -146,33 +157,53 @@ class Deployment:
             model_config=self.model_config,
             deployment=self.deployment,
             endpoints=self.endpoints,
+            instance=instance,
         )
         child = spawn_child(spec, threads)
         self.children.append(child)
         self.pids[child.name] = child.popen.pid
+        return child
+
+    @property
+    def worker_threads(self) -> int:
+        """Threads per worker: --threads, else the cores shared by every local worker of
+        every instance."""
+        cores = os.cpu_count() or 1
+        workers = len(self.local_ranks) * self.num_instances
+        return self.config.num_threads or max(1, cores // workers)
+
+    def _spawn_instance(self, instance: int) -> list[Child]:
+        """An instance's workers, scheduler and detokenizers (single node)."""
+        kids = [self._spawn("worker", r, self.worker_threads, instance) for r in self.local_ranks]
+        kids.append(self._spawn("scheduler", 0, 1, instance))
+        for i in range(self.deployment.num_detokenizers):
+            kids.append(self._spawn("detokenizer", i, 1, instance))
+        return kids
 
     def _start_children(self) -> None:
         if self._launcher is None:
             raise DeploymentError("the launcher socket is not bound (call start())")
-        cores = os.cpu_count() or 1
-        worker_threads = self.config.num_threads or max(1, cores // len(self.local_ranks))
         self.children = []
         self.pids = {}
+        self.down_instances = set()
 
         def spawn_workers(msg: LauncherInbound | None = None) -> None:
             if msg is None or isinstance(msg, NodesJoined):
                 for r in self.local_ranks:
-                    self._spawn("worker", r, worker_threads)
+                    self._spawn("worker", r, self.worker_threads)
 
         # several nodes: the head's workers (rank 0 hosts torch.distributed's rendezvous,
         # which waits a bounded time for every rank) start once every node has joined
         if self.multinode:
             self._spawn("nodelink", 0, 1)
+            spawn_workers_later = spawn_workers
+            self._spawn("scheduler", 0, 1)
+            for i in range(self.deployment.num_detokenizers):
+                self._spawn("detokenizer", i, 1)
         else:
-            spawn_workers()
-        self._spawn("scheduler", 0, 1)
-        for i in range(self.deployment.num_detokenizers):
-            self._spawn("detokenizer", i, 1)
+            spawn_workers_later = None
+            for instance in range(self.num_instances):
+                self._spawn_instance(instance)
         self._spawn("frontend", 0, 1)
         if self.deployment.http_port is not None:
             self._spawn("api", 0, 1)
@@ -181,7 +212,7 @@ class Deployment:
             self.children,
             self.deployment.ready_timeout,
             self._stop_requested,
-            spawn_workers if self.multinode else None,
+            spawn_workers_later,
         )
 
     def start(self) -> str:
@@ -239,7 +270,11 @@ class Deployment:
             self._done.set()
 
     def _on_child_death(self, dead: Child) -> bool:
-        """Fails in-flight requests, stops the rest; True if the deployment restarted."""
+        """Fails in-flight requests, stops the rest; True if the deployment restarted.
+        With several instances, a process of one instance takes only that instance down
+        (`_on_instance_death`)."""
+        if self.num_instances > 1 and dead.instance is not None:
+            return self._on_instance_death(dead)
         code = dead.popen.returncode
         how = f"signal {-code}" if code < 0 else f"code {code}"
         self.failure = self._lost_node() or f"{dead.name} (pid {dead.popen.pid}) exited with {how}"
@@ -274,22 +309,74 @@ class Deployment:
         log.warning("restarted; serving on %s", self.endpoint)
         return True
 
+    def _on_instance_death(self, dead: Child) -> bool:
+        """One replica's process died: the frontend re-routes that replica's requests that
+        have streamed nothing and fails the others (`InstanceDown`), its other processes
+        stop, and with restart="on-failure" it starts again alone and rejoins the rotation
+        (`InstanceUp`). False (the deployment stops) once no replica is up or coming back."""
+        instance = dead.instance
+        assert instance is not None  # the caller checked
+        code = dead.popen.returncode
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        reason = f"{dead.name} (pid {dead.popen.pid}) exited with {how}"
+        self.failures.append(reason)
+        log.error("%s; stopping replica %d", reason, instance)
+        self._send_to_frontend(InstanceDown(instance=instance, reason=reason))
+        mine = [c for c in self.children if c.instance == instance]
+        stop_children(mine)
+        self.children = [c for c in self.children if c.instance != instance]
+        self.down_instances.add(instance)
+        restart = (
+            self.deployment.restart == "on-failure"
+            and not self._stop_requested.is_set()
+            and self.instance_restarts[instance] < self.deployment.max_restarts
+        )
+        if restart:
+            self.instance_restarts[instance] += 1
+            log.warning(
+                "restarting replica %d (restart %d of %d)",
+                instance,
+                self.instance_restarts[instance],
+                self.deployment.max_restarts,
+            )
+            self._remove_ipc_files(prefix=f"r{instance}-" if instance else "")
+            # the same ipc paths (the frontend's sockets reconnect), a fresh rendezvous port
+            old = self.endpoints.instances[instance]
+            self.endpoints.instances[instance] = make_instance_endpoints(
+                self.rundir, instance, len(old.worker_plans), len(old.detokenizers)
+            )
+            try:
+                kids = self._spawn_instance(instance)
+                if self._launcher is None:
+                    raise DeploymentError("the launcher socket is closed")
+                await_ready(
+                    self._launcher, kids, self.deployment.ready_timeout, self._stop_requested
+                )
+            except DeploymentError as e:
+                log.error("replica %d did not restart: %s", instance, e)
+                self.failures.append(f"replica {instance} restart failed: {e}")
+                stop_children([c for c in self.children if c.instance == instance])
+                self.children = [c for c in self.children if c.instance != instance]
+            else:
+                self.down_instances.discard(instance)
+                self._send_to_frontend(InstanceUp(instance=instance))
+                log.warning("replica %d restarted and back in the rotation", instance)
+        if len(self.down_instances) < self.num_instances:
+            return True
+        self.failure = f"every replica is down (last: {reason})"
+        log.error("%s; stopping the deployment", self.failure)
+        self._tell_frontend_dead("scheduler")
+        self._kill_children()
+        return False
+
     def _lost_node(self) -> str:
         """Multi-node: why a node was lost, if the node link says so within about a
         heartbeat ("" if not). A lost node is the cause of whatever died with it (a head
         worker's collective with the node's ranks breaks at once)."""
         reports, self._reports = self._reports, []
-        deadline = time.monotonic() + 1.2
-        while self.multinode and self._launcher is not None and time.monotonic() < deadline:
-            lost = [m for m in reports if m.name.startswith("node-")]
-            if lost:
-                return lost[0].error
-            if self._launcher.poll(50):
-                msg = decode_launcher_message(self._decoder, self._launcher.recv())
-                if isinstance(msg, Failed):
-                    reports.append(msg)
-        lost = [m for m in reports if m.name.startswith("node-")]
-        return lost[0].error if lost else ""
+        if not self.multinode or self._launcher is None:
+            return ""
+        return lost_node_reason(self._launcher, self._decoder, reports)
 
     def _drain_launcher_socket(self) -> None:
         """Drops what the stopped processes sent, so a restart's READY wait sees only
@@ -304,18 +391,9 @@ class Deployment:
         if self._send_to_frontend(EngineDead(reason=self.failure)):
             time.sleep(0.5)  # let the frontend fail the in-flight requests before it stops
 
-    def _send_to_frontend(self, msg: Drain | EngineDead) -> bool:
+    def _send_to_frontend(self, msg: Drain | EngineDead | InstanceDown | InstanceUp) -> bool:
         """One message to the frontend's inbound socket; False if it could not be sent."""
-        sock = push_socket(self._ctx, self.endpoints.frontend_in, send_timeout_ms=1000)
-        try:
-            sock.send(msgspec.msgpack.encode(msg))
-            return True
-        except zmq.ZMQError as e:
-            log.error("could not send %s to the frontend: %s", type(msg).__name__, e)
-            return False
-        finally:
-            # linger: the connect is asynchronous, the message may still be queued here
-            sock.close()
+        return send_once(self._ctx, self.endpoints.frontend_in, msg)
 
     def _drain(self, launcher: zmq.Socket) -> None:
         """Asks the frontend to drain and waits (bounded) for it to say it is done."""
@@ -323,18 +401,8 @@ class Deployment:
         if frontend is None or frontend.popen.poll() is not None:
             return
         timeout = self.deployment.drain_timeout
-        if not self._send_to_frontend(Drain(timeout=timeout)):
-            return
-        # past its deadline the frontend aborts what is left; give the aborts time to return
-        deadline = time.monotonic() + timeout + 5.0
-        while time.monotonic() < deadline and self._dead_child() is None:
-            if launcher.poll(100):
-                msg = decode_launcher_message(self._decoder, launcher.recv())
-                if isinstance(msg, Drained):
-                    self.drained = msg
-                    time.sleep(0.2)  # the last replies are on their way out of the frontend
-                    return
-        log.error("the deployment did not drain in time; stopping it anyway")
+        if self._send_to_frontend(Drain(timeout=timeout)):
+            self.drained = await_drained(launcher, self._decoder, timeout, self._dead_child)
 
     @property
     def done(self) -> bool:
@@ -350,15 +418,8 @@ class Deployment:
     def _kill_children(self) -> None:
         self.exit_codes = stop_children(self.children)
 
-    def _remove_ipc_files(self) -> None:
-        for name in os.listdir(self.rundir):
-            if name.endswith(".ipc") and name != "launcher.ipc":
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.rundir, name))
-        public = ipc_path(self.endpoints.public)
-        if public is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(public)
+    def _remove_ipc_files(self, prefix: str | None = None) -> None:
+        remove_ipc_files(self.rundir, self.endpoints.public, prefix)
 
     def _cleanup(self) -> None:
         if self._cleaned:

@@ -267,9 +267,9 @@ class NodeAgent:
         stop, raises NodeError on a failure."""
         spec = self._worker_spec(rundir, welcome)
         launcher = pull_socket(ctx, spec.endpoints.launcher, private=True)
-        results = pull_socket(ctx, spec.endpoints.worker_result)
+        results = pull_socket(ctx, spec.own.worker_result)
         self._spawn_workers(spec, welcome.ranks)
-        plans = {r: push_socket(ctx, spec.endpoints.worker_plans[r]) for r in welcome.ranks}
+        plans = {r: push_socket(ctx, spec.own.worker_plans[r]) for r in welcome.ranks}
         poller = zmq.Poller()
         for sock in (dealer, results, launcher):
             poller.register(sock, zmq.POLLIN)

@@ -124,8 +124,8 @@ class HeadLink:
             self.auth.start()
             self.auth.configure_curve_callback("*", NodeKeyCheck(dep.curve.public))
         self.router = link_router(ctx, spec.endpoints.link, dep.curve)
-        self.plans = {pull_socket(ctx, spec.endpoints.worker_plans[r]): r for r in self.owner}
-        self.results = push_socket(ctx, spec.endpoints.worker_result)
+        self.plans = {pull_socket(ctx, spec.own.worker_plans[r]): r for r in self.owner}
+        self.results = push_socket(ctx, spec.own.worker_result)
         self.frontend = push_socket(ctx, spec.endpoints.frontend_in)
         self.control = pull_socket(ctx, spec.endpoints.link_control)
         self.poller = zmq.Poller()
@@ -241,7 +241,7 @@ class HeadLink:
         return Welcome(
             session=node.session,
             config=self.spec.config,
-            dist_init=self.spec.endpoints.dist_init,
+            dist_init=self.spec.own.dist_init,
             ranks=list(node.ranks),
         )
 
@@ -398,3 +398,25 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
 
 if __name__ == "__main__":
     run_process(body)
+
+
+def lost_node_reason(
+    launcher: zmq.Socket, decoder: msgspec.msgpack.Decoder, reports: list[Failed]
+) -> str:
+    """Why a node was lost, if the node link says so within about a heartbeat ("" if
+    not): a lost node is the cause of whatever died with it (a head worker's collective
+    with the node's ranks breaks at once). `reports`: the Failed messages already read."""
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:
+        lost = [m for m in reports if m.name.startswith("node-")]
+        if lost:
+            return lost[0].error
+        if launcher.poll(50):
+            try:
+                msg = decoder.decode(launcher.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # nothing a launcher message can say about the node
+            if isinstance(msg, Failed):
+                reports.append(msg)
+    lost = [m for m in reports if m.name.startswith("node-")]
+    return lost[0].error if lost else ""

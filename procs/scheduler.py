@@ -7,6 +7,7 @@ driver answers them in order.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -16,22 +17,28 @@ from sarazmq.procs.common import ProcSpec, run_process
 from sarazmq.procs.sockets import pull_socket, push_socket
 from sarazmq.protocol.engine import SchedulerInbound
 from sarazmq.protocol.worker import Shutdown, StepResult
-from sarazmq.scheduler.build import build_scheduler
-from sarazmq.scheduler.service import (
+from sarazmq.scheduler import (
     SchedulerActions,
     SchedulerService,
+    build_scheduler,
     configure_scheduler_gc,
 )
+
+#: the most often an instance reports its load to the router (seconds)
+LOAD_REPORT_INTERVAL_S = 0.02
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     cfg = spec.config
-    scheduler = build_scheduler(cfg, spec.model_config)
-    service = SchedulerService(scheduler, spec.deployment.num_detokenizers)
-    inbound = pull_socket(ctx, spec.endpoints.scheduler_in)
-    results = pull_socket(ctx, spec.endpoints.worker_result)
-    workers = [push_socket(ctx, ep) for ep in spec.endpoints.worker_plans]
-    detoks = [push_socket(ctx, ep) for ep in spec.endpoints.detokenizers]
+    scheduler = build_scheduler(cfg, spec.model_config.eos_token_ids)
+    service = SchedulerService(scheduler, spec.deployment.num_detokenizers, spec.instance)
+    # several instances: the frontend's router needs this one's load (`InstanceLoad`)
+    report_load = cfg.data_parallel_size > 1
+    last_report = (0.0, -1, -1)  # (when, num_added, num_iterations) of the last report
+    inbound = pull_socket(ctx, spec.own.scheduler_in)
+    results = pull_socket(ctx, spec.own.worker_result)
+    workers = [push_socket(ctx, ep) for ep in spec.own.worker_plans]
+    detoks = [push_socket(ctx, ep) for ep in spec.own.detokenizers]
     frontend = push_socket(ctx, spec.endpoints.frontend_in)
     in_decoder = msgspec.msgpack.Decoder(SchedulerInbound)
     result_decoder = msgspec.msgpack.Decoder(StepResult)
@@ -85,6 +92,12 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
                     for w in workers:
                         w.send(frame)
             flush(acts)
+            if report_load:
+                now = time.monotonic()
+                state = (service.num_added, scheduler.num_iterations)
+                if state != last_report[1:] and now - last_report[0] >= LOAD_REPORT_INTERVAL_S:
+                    frontend.send(enc.encode(service.load()))
+                    last_report = (now, *state)
     finally:
         for w in workers:
             with contextlib.suppress(zmq.ZMQError):

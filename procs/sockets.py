@@ -6,12 +6,16 @@ a plain or an asyncio context (zmq.asyncio sockets come from zmq.asyncio.Context
 
 from __future__ import annotations
 
+import logging
 import os
 
+import msgspec
 import zmq
 
 from sarazmq.config import CurveKeys
 from sarazmq.protocol.client import MAX_CLIENT_FRAME_BYTES
+
+log = logging.getLogger("sarazmq.sockets")
 
 # a PUSH keeps unsent frames this long at close: the peer may still be connecting
 PUSH_LINGER_MS = 1000
@@ -113,3 +117,18 @@ class NodeKeyCheck:
 
     def callback(self, domain: str, key: bytes) -> bool:
         return key == self.public
+
+
+def send_once(ctx: zmq.Context, endpoint: str, msg: msgspec.Struct) -> bool:
+    """Sends one message on a fresh PUSH socket (waiting at most a second for room);
+    False if it could not be sent."""
+    sock = push_socket(ctx, endpoint, send_timeout_ms=1000)
+    try:
+        sock.send(msgspec.msgpack.encode(msg))
+        return True
+    except zmq.ZMQError as e:
+        log.error("could not send %s to %s: %s", type(msg).__name__, endpoint, e)
+        return False
+    finally:
+        # linger: the connect is asynchronous, the message may still be queued here
+        sock.close()

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from sarazmq.procs.common import ProcSpec
-from sarazmq.protocol.launcher import Failed, LauncherInbound, Ready
+from sarazmq.procs.common import INSTANCE_KINDS, ProcSpec
+from sarazmq.protocol.launcher import Drained, Failed, LauncherInbound, Ready
 
 log = logging.getLogger("sarazmq.launcher")
 
@@ -30,8 +30,12 @@ class DeploymentError(RuntimeError):
 
 @dataclass
 class Child:
+    """A started process; instance: the engine instance it belongs to (None: it serves
+    every instance, as the frontend does)."""
+
     name: str
     popen: subprocess.Popen[bytes]
+    instance: int | None = None
 
 
 def spawn_child(spec: ProcSpec, threads: int) -> Child:
@@ -53,10 +57,10 @@ def spawn_child(spec: ProcSpec, threads: int) -> Child:
         if out is not None:
             out.close()
     if popen.stdin is None:  # stdin=PIPE always gives one; typed as optional
-        raise DeploymentError(f"{spec.kind}-{spec.index}: no stdin pipe to send its spec")
+        raise DeploymentError(f"{spec.name}: no stdin pipe to send its spec")
     popen.stdin.write(msgspec.msgpack.encode(spec))
     popen.stdin.close()
-    return Child(f"{spec.kind}-{spec.index}", popen)
+    return Child(spec.name, popen, spec.instance if spec.kind in INSTANCE_KINDS else None)
 
 
 def decode_launcher_message(
@@ -124,3 +128,23 @@ def stop_children(children: list[Child], grace_s: float = 5.0) -> dict[str, int]
             child.popen.kill()
             child.popen.wait()
     return {c.name: c.popen.returncode for c in children}
+
+
+def await_drained(
+    launcher: zmq.Socket,
+    decoder: msgspec.msgpack.Decoder,
+    timeout: float,
+    dead_child: Callable[[], Child | None],
+) -> Drained | None:
+    """Waits (bounded) for the frontend's `Drained` after a `Drain(timeout)`; None when it
+    does not come in time or a child dies meanwhile."""
+    # past its deadline the frontend aborts what is left; give the aborts time to return
+    deadline = time.monotonic() + timeout + 5.0
+    while time.monotonic() < deadline and dead_child() is None:
+        if launcher.poll(100):
+            msg = decode_launcher_message(decoder, launcher.recv())
+            if isinstance(msg, Drained):
+                time.sleep(0.2)  # the last replies are on their way out of the frontend
+                return msg
+    log.error("the deployment did not drain in time; stopping it anyway")
+    return None

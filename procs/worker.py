@@ -20,9 +20,7 @@ import zmq
 from sarazmq.procs.common import ProcSpec, recv_interruptible, run_process
 from sarazmq.procs.sockets import pull_socket, push_socket
 from sarazmq.protocol.worker import WorkerInbound
-from sarazmq.worker.build import build_model_runner
-from sarazmq.worker.pipeline import DistLink, Placement
-from sarazmq.worker.service import WorkerService
+from sarazmq.worker import DistLink, Placement, WorkerService, build_model_runner
 
 
 def init_distributed(placement: Placement, device: str, init_method: str) -> Any:
@@ -56,7 +54,7 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     placement = Placement(spec.index, cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
     group = None
     if placement.world_size > 1:
-        group = init_distributed(placement, cfg.device, spec.endpoints.dist_init)
+        group = init_distributed(placement, cfg.device, spec.own.dist_init)
     device = torch.device(cfg.device)
     recv_from = send_to = None
     if placement.pp_size > 1:
@@ -72,8 +70,8 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
         send_to=send_to,
     )
     service = WorkerService(runner, placement.rank)
-    plans = pull_socket(ctx, spec.endpoints.worker_plans[placement.rank])
-    results = push_socket(ctx, spec.endpoints.worker_result) if service.is_driver else None
+    plans = pull_socket(ctx, spec.own.worker_plans[placement.rank])
+    results = push_socket(ctx, spec.own.worker_result) if service.is_driver else None
     decoder = msgspec.msgpack.Decoder(WorkerInbound)
     encoder = msgspec.msgpack.Encoder()
     ready(rank=placement.rank, kv_blocks=cfg.cache.num_blocks)

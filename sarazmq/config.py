@@ -6,16 +6,19 @@ children receive their config as msgpack bytes (never pickle).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES = ("sarathi", "vllm", "orca", "fastertransformer", "simple_chunking")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 # "auto": the model's dtype; "int8": rows of int8 values and a scale (sarazmq.kernels.kv_int8)
 KV_CACHE_DTYPES = ("auto", "int8")
 RESTART_POLICIES = ("no", "on-failure")
+#: how a request is routed to one of several engine instances (`sarazmq.router`)
+ROUTER_POLICIES = ("round-robin", "least-load", "cache-aware")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: Seconds a client with requests in flight may leave heartbeats unanswered before the
 #: frontend treats it as gone and aborts its requests.
@@ -23,7 +26,8 @@ DEFAULT_CLIENT_TIMEOUT_S = 15.0
 #: The per-iteration token budget and running-request cap an engine gets by default: the
 #: Sarathi-Serve paper's budget (512), and vLLM's CPU server's cap (128). At saturation on
 #: a 2-core CPU the pair gives ~1.1x the throughput of 256 / 64 at ~1.5x its P99
-#: inter-token latency, still about half of vLLM's own default (docs/PERF_RESULT.md).
+#: inter-token latency, still about half of vLLM's own default (docs/PERF_LOG.md,
+#: "Tenth round").
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_MAX_NUM_SEQS = 128
 
@@ -143,7 +147,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything needed to build an engine; resolved (paths, sizes) before start."""
+    """Everything needed to build an engine; resolved (paths, sizes) before start.
+
+    Built from flat options by `sarazmq.options.EngineOptions.to_config()` (`LLM(...)`,
+    every command, the simulator); `sarazmq.resolve` fills in what "auto"/0 leave open."""
 
     model: str = DEFAULT_MODEL
     # "auto": bfloat16 where the hardware computes it natively, else float32 (resolve_dtype)
@@ -160,6 +167,11 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     num_threads: int = 0
     seed: int = 0
+    # data-parallel replicas: this many independent instances (scheduler, workers, KV
+    # pool; tp x pp workers each) behind one frontend, which routes each request by
+    # `router` (`sarazmq.router`)
+    data_parallel_size: int = 1
+    router: str = "cache-aware"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -175,10 +187,18 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
-        if self.cache.kv_cache_dtype == "int8" and self.attention_backend == "flash_attn":
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} must be >= 1")
+        if self.router not in ROUTER_POLICIES:
+            raise ValueError(f"unknown router {self.router!r}; choose one of {ROUTER_POLICIES}")
+        if self.cache.kv_cache_dtype == "int8" and self.attention_backend in (
+            "flash_attn",
+            "triton",
+        ):
             raise ValueError(
-                "kv_cache_dtype='int8' is not supported by the flash_attn attention backend "
-                "(its kernels read fp16/bf16 caches); use --attention-backend torch or cpu"
+                f"kv_cache_dtype='int8' is not supported by the {self.attention_backend} "
+                "attention backend (its kernels read fp32/fp16/bf16 caches); use "
+                "--attention-backend torch or cpu"
             )
         if self.pipeline_parallel_size > 1 and self.scheduler.tbt_slo:
             # the adaptive budget models a whole iteration's time from its plan's start to
@@ -189,61 +209,19 @@ class EngineConfig:
                 f"{self.pipeline_parallel_size}): the adaptive budget does not model pipelines"
             )
 
-    @classmethod
-    def from_options(
-        cls,
-        *,
-        model: str = DEFAULT_MODEL,
-        scheduler: str = "sarathi",
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int = 0,
-        max_model_len: int = 0,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        device: str = "auto",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        num_threads: int = 0,
-        seed: int = 0,
-        watermark: float = 0.01,
-        max_waiting: int = 0,
-        enable_prefix_caching: bool = True,
-        tbt_slo: float = 0.0,
-        latency_profile: str = "",
-        kv_cache_dtype: str = "auto",
-    ) -> EngineConfig:
-        """The config from flat options: the one construction behind `LLM(...)` and every
-        command's engine options (`scheduler` names the policy)."""
-        return cls(
-            model=model,
-            dtype=dtype,
-            device=device,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            num_threads=num_threads,
-            seed=seed,
-            scheduler=SchedulerConfig(
-                policy=scheduler,
-                chunk_size=chunk_size,
-                max_num_seqs=max_num_seqs,
-                watermark=watermark,
-                max_model_len=max_model_len,
-                max_waiting=max_waiting,
-                tbt_slo=tbt_slo,
-                latency_profile=latency_profile,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
+    def with_policy(self, policy: str, chunk_size: int | None = None) -> EngineConfig:
+        """The same engine under another policy (and chunk size): what a comparison or a
+        sweep point runs. A TBT target (and its latency profile) is kept for sarathi only,
+        the one policy with a budget to adapt."""
+        tbt = self.scheduler.tbt_slo if policy == "sarathi" else 0.0
+        sched = dataclasses.replace(
+            self.scheduler,
+            policy=policy,
+            chunk_size=self.scheduler.chunk_size if chunk_size is None else chunk_size,
+            tbt_slo=tbt,
+            latency_profile=self.scheduler.latency_profile if tbt else "",
         )
+        return dataclasses.replace(self, scheduler=sched)
 
 
 @dataclass(frozen=True)

@@ -27,19 +27,23 @@ from sarazmq.config import (
     EngineConfig,
     SchedulerConfig,
 )
-from sarazmq.detokenizer.service import DetokenizerService
-from sarazmq.frontend.prompts import PromptTokenizer
+from sarazmq.detokenizer import DetokenizerService
+from sarazmq.frontend import PromptTokenizer
 from sarazmq.model.loader import load_tokenizer, resolve_model
+from sarazmq.options import EngineOptions
 from sarazmq.outputs import RequestOutput
 from sarazmq.protocol.common import FINISH_ERROR
 from sarazmq.protocol.worker import StepResult
 from sarazmq.resolve import describe_dtype, resolve_engine_config
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler.build import build_scheduler
+from sarazmq.scheduler import build_scheduler
 from sarazmq.validation import InvalidRequestError
-from sarazmq.worker.build import build_model_runner
-from sarazmq.worker.inprocess import InProcessPipeline, build_in_process_pipeline
-from sarazmq.worker.model_runner import ModelRunner
+from sarazmq.worker import (
+    InProcessPipeline,
+    ModelRunner,
+    build_in_process_pipeline,
+    build_model_runner,
+)
 
 log = logging.getLogger("sarazmq.engine")
 
@@ -55,6 +59,11 @@ class LLMEngine:
                 f"tensor_parallel_size={config.tensor_parallel_size}: the in-process engine "
                 "runs tp=1; use `sarazmq serve --tp N`"
             )
+        if config.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={config.data_parallel_size}: the in-process engine is one "
+                "replica; use `sarazmq serve --dp N`"
+            )
         self.config, self.model_config = resolve_engine_config(config)
         log.info("engine: %s", describe_dtype(config.dtype, self.config.dtype))
         tokenizer = load_tokenizer(resolve_model(self.config.model))
@@ -68,7 +77,7 @@ class LLMEngine:
         )
         # results of plans still "in flight" (pipeline parallel: up to pp), oldest first
         self._results: deque[StepResult] = deque()
-        self.scheduler = build_scheduler(self.config, self.model_config)
+        self.scheduler = build_scheduler(self.config, self.model_config.eos_token_ids)
         self.detokenizer = DetokenizerService(tokenizer)
         self.outputs: dict[str, RequestOutput] = {}
 
@@ -107,7 +116,10 @@ class LLMEngine:
         if num_blocks is not None and not 1 <= num_blocks <= allocated:
             raise ValueError(f"num_blocks={num_blocks} must be in [1, {allocated}] (allocated)")
         self.scheduler = build_scheduler(
-            self.config, self.model_config, num_blocks=num_blocks, scheduler_config=config
+            self.config,
+            self.model_config.eos_token_ids,
+            num_blocks=num_blocks,
+            scheduler_config=config,
         )
 
     def has_unfinished(self) -> bool:
@@ -157,17 +169,17 @@ class LLM:
         dtype: str = "auto",
         **options: Any,
     ) -> None:
-        """options: any other keyword of `EngineConfig.from_options` (block_size,
+        """options: any other field of `sarazmq.options.EngineOptions` (block_size,
         num_kv_blocks, max_model_len, seed, enable_prefix_caching, tbt_slo, ...); an
         unknown one is a TypeError naming it."""
-        config = EngineConfig.from_options(
+        config = EngineOptions(
             model=model,
             scheduler=scheduler,
             chunk_size=chunk_size,
             max_num_seqs=max_num_seqs,
             dtype=dtype,
             **options,
-        )
+        ).to_config()
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

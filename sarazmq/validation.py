@@ -53,6 +53,15 @@ def join_field(prefix: str, name: str) -> str:
 # ---------------------------------------------------------------------------- prompts
 
 
+def _plain_ints_in_range(token_ids: Sequence[Any], vocab_size: int | None) -> bool:
+    """Whether `token_ids` is a list of plain ints in [0, vocab_size): the common case,
+    checked at C speed (a client's and the simulator's prompts; the loop below names
+    the bad ids of any other)."""
+    if type(token_ids) is not list or not token_ids or set(map(type, token_ids)) != {int}:
+        return False
+    return min(token_ids) >= 0 and (vocab_size is None or max(token_ids) < vocab_size)
+
+
 def check_prompt_token_ids(
     token_ids: Sequence[Any],
     *,
@@ -74,6 +83,9 @@ def check_prompt_token_ids(
         )
     ids: list[int] = []
     bad: list[Any] = []
+    if _plain_ints_in_range(token_ids, vocab_size):
+        ids = list(token_ids)
+        token_ids = ()  # nothing left to check one by one
     for t in token_ids:
         try:
             v = -1 if isinstance(t, bool) else operator.index(t)

@@ -23,7 +23,8 @@ import time
 import httpx
 
 from sarazmq.client import AsyncClient
-from sarazmq.config import CacheConfig, DeploymentConfig, EngineConfig, SchedulerConfig
+from sarazmq.config import DeploymentConfig
+from sarazmq.options import EngineOptions
 from sarazmq.procs.endpoints import free_tcp_port
 from sarazmq.procs.launcher import Deployment
 from sarazmq.sampling_params import SamplingParams
@@ -88,12 +89,14 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     port = free_tcp_port()
-    config = EngineConfig(
+    config = EngineOptions(
         dtype=args.dtype,
         num_threads=args.threads,
-        scheduler=SchedulerConfig(chunk_size=256, max_num_seqs=max(levels), max_model_len=1024),
-        cache=CacheConfig(num_blocks=max(levels) * 8 + 64),
-    )
+        chunk_size=256,
+        max_num_seqs=max(levels),
+        max_model_len=1024,
+        num_kv_blocks=max(levels) * 8 + 64,
+    ).to_config()
     rows = []
     with Deployment(config, DeploymentConfig(http_port=port)) as dep:
         root = f"http://127.0.0.1:{port}"

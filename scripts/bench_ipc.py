@@ -16,6 +16,7 @@ requests (goal: < 1 ms at 256), with the scheduler process's garbage-collector s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import threading
@@ -24,16 +25,17 @@ import time
 import msgspec
 import zmq
 
-from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.options import EngineOptions
 from sarazmq.protocol.engine import AddRequest, DeltaBatch
 from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler import Scheduler
-from sarazmq.scheduler.service import (
+from sarazmq.scheduler import (
     SchedulerActions,
     SchedulerService,
+    build_scheduler,
     configure_scheduler_gc,
 )
+from sarazmq.sim.run import sim_engine_config
 
 PROMPTS = [
     "Explain how a bicycle works.",
@@ -54,17 +56,16 @@ def e2e(num_requests: int, max_tokens: int) -> tuple[float, float]:
 
     prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(num_requests)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    sched = SchedulerConfig(chunk_size=256, max_num_seqs=64, max_model_len=1024)
-    cache = CacheConfig(num_blocks=1024)
+    options = EngineOptions(chunk_size=256, max_num_seqs=64, max_model_len=1024, num_kv_blocks=1024)
 
-    llm = LLM(chunk_size=256, max_num_seqs=64, max_model_len=1024, num_kv_blocks=1024)
+    llm = LLM(**dataclasses.asdict(options))
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     inproc = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
     del llm
 
-    with Deployment(EngineConfig(scheduler=sched, cache=cache)) as dep, Client(dep.endpoint) as c:
+    with Deployment(options.to_config()) as dep, Client(dep.endpoint) as c:
         c.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         results: list[int] = []
         t0 = time.perf_counter()
@@ -101,15 +102,10 @@ def stub_worker(ctx: zmq.Context, plan_ep: str, result_ep: str, stop: threading.
 
 
 def scheduler_overhead(num_running: int, iters: int = 300) -> dict[str, float]:
-    sched = Scheduler(
-        SchedulerConfig(
-            policy="sarathi", chunk_size=512, max_num_seqs=num_running, max_model_len=4096
-        ),
-        block_size=16,
-        num_blocks=num_running * 40,
-        max_model_len=4096,
-        eos_token_ids=(2,),
-    )
+    # a scheduler without a model, resolved as the simulator resolves one
+    options = EngineOptions(scheduler="sarathi", chunk_size=512, max_num_seqs=num_running)
+    config = sim_engine_config(options, num_blocks=num_running * 40, max_model_len=4096)
+    sched = build_scheduler(config, eos_token_ids=(2,))
     service = SchedulerService(sched, num_detokenizers=2)
     params = SamplingParams(temperature=0, max_tokens=100_000 // 1, ignore_eos=True)
     acts = SchedulerActions()

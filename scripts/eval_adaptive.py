@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sarazmq.perf import load_latency_model
+from sarazmq.perf.load import load_latency_model
 from sarazmq.replay.capacity import find_capacity
 from sarazmq.replay.metrics import summarize
 from sarazmq.replay.workload import WorkloadRequest

@@ -19,10 +19,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from sarazmq.client import Client
-from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.options import EngineOptions
 from sarazmq.procs.launcher import Deployment
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler.stats import IterationRecord, active_seconds, bubble_fraction
+from sarazmq.scheduler import IterationRecord, active_seconds, bubble_fraction
 
 WORDS = "the a of river mountain quickly green seven under over silent bright old".split()
 
@@ -37,17 +37,16 @@ def prompts(n: int, seed: int, min_words: int, max_words: int) -> list[str]:
 
 def run(policy: str, pp: int, args: argparse.Namespace) -> dict[str, object]:
     cores = os.cpu_count() or 1
-    config = EngineConfig(
+    config = EngineOptions(
         pipeline_parallel_size=pp,
         num_threads=max(1, cores // pp),
-        scheduler=SchedulerConfig(
-            policy=policy,
-            chunk_size=args.chunk_size,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=2048,
-        ),
-        cache=CacheConfig(block_size=16, num_blocks=args.num_blocks),
-    )
+        scheduler=policy,
+        chunk_size=args.chunk_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=2048,
+        block_size=16,
+        num_kv_blocks=args.num_blocks,
+    ).to_config()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     texts = prompts(args.requests, args.seed, args.min_words, args.max_words)
     with Deployment(config) as dep, Client(dep.endpoint) as client:

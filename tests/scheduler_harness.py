@@ -17,10 +17,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sarazmq.config import EngineConfig
+from sarazmq.options import EngineOptions
 from sarazmq.protocol.engine import RequestDelta
 from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import Request, Scheduler
+from sarazmq.sim.run import sim_engine_config
 
 TokenFn = Callable[[int, list[int], int], int]
 
@@ -301,3 +304,13 @@ def drive(
     assert not sched.has_unfinished()
     assert sched.blocks.num_free_blocks == sched.blocks.num_total_blocks
     return RunResult(outputs, finish, all_deltas, iters, requests)
+
+
+def sim_config(*, num_blocks: int, max_model_len: int, **options: object) -> EngineConfig:
+    """A simulated engine's resolved config from engine options (`EngineOptions` fields),
+    as the simulating commands build it."""
+    return sim_engine_config(
+        EngineOptions(**options),  # type: ignore[arg-type]
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )

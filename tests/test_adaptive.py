@@ -7,9 +7,6 @@ import numpy as np
 import pytest
 
 from sarazmq.config import SchedulerConfig
-from sarazmq.perf.linear import PiecewiseLinearModel
-from sarazmq.perf.online import OnlineLatencyModel
-from sarazmq.perf.shape import IterationShape
 from sarazmq.protocol.worker import StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.adaptive import (
@@ -17,8 +14,11 @@ from sarazmq.scheduler.adaptive import (
     TILE_TOKENS,
     AdaptiveBudget,
 )
+from sarazmq.scheduler.latency import PiecewiseLinearModel
+from sarazmq.scheduler.online import OnlineLatencyModel
 from sarazmq.scheduler.request import Request
 from sarazmq.scheduler.scheduler import Scheduler
+from sarazmq.scheduler.shape import IterationShape
 
 
 class LinearTokens:

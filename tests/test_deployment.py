@@ -357,8 +357,9 @@ def test_ipc_endpoints_are_owner_only(deployment: Deployment) -> None:
 
     assert stat.S_IMODE(os.stat(deployment.rundir).st_mode) == 0o700
     eps = deployment.endpoints
-    internal = [eps.scheduler_in, eps.frontend_in, eps.worker_result, eps.launcher]
-    internal += eps.worker_plans + eps.detokenizers
+    (inst,) = eps.instances
+    internal = [inst.scheduler_in, eps.frontend_in, inst.worker_result, eps.launcher]
+    internal += inst.worker_plans + inst.detokenizers
     for ep in [*internal, eps.public]:
         path = ep[len("ipc://") :]
         assert os.path.dirname(path) == deployment.rundir, ep

@@ -12,17 +12,14 @@ import pytest
 from click.testing import CliRunner
 
 from sarazmq.cli import main
-from sarazmq.perf import (
-    ModelCost,
-    PiecewiseLinearModel,
-    fit_latency_model,
-    load_latency_model,
-    prediction_error,
-)
+from sarazmq.perf.accuracy import prediction_error
 from sarazmq.perf.architectures import Architecture, get_architecture
+from sarazmq.perf.cost import ModelCost
 from sarazmq.perf.gpu import GpuProfileModel, RooflineModel, vidur_mlp_path
-from sarazmq.perf.linear import nnls
-from sarazmq.perf.shape import IterationShape, shape_of
+from sarazmq.perf.load import load_latency_model
+from sarazmq.scheduler.latency import PiecewiseLinearModel
+from sarazmq.scheduler.latency_fit import fit_latency_model, nnls, predict_many
+from sarazmq.scheduler.shape import IterationShape, shape_of
 
 TRUE = PiecewiseLinearModel(
     knee=64, c0=2e-3, c_tok=1e-4, c_pairs=2e-8, c_ctx=3e-7, c_seq=5e-5, c_sampled=1e-4
@@ -91,7 +88,7 @@ def test_json_round_trip_and_predict_many() -> None:
     back = PiecewiseLinearModel.from_dict(json.loads(json.dumps(TRUE.to_dict())))
     assert back == TRUE
     shapes = [*_random_shapes(20), IterationShape()]
-    np.testing.assert_allclose(TRUE.predict_many(shapes), [TRUE.predict(s) for s in shapes])
+    np.testing.assert_allclose(predict_many(TRUE, shapes), [TRUE.predict(s) for s in shapes])
     assert TRUE.predict(IterationShape()) == 0.0
     # below the knee the linear layers cost as much as at the knee
     one = shape_of([], [99])

@@ -17,6 +17,7 @@ from sarazmq.kernels import TorchPagedAttention
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.kv_cache import allocate_kv_cache, stage_layers
 from sarazmq.model.loader import load_model, load_model_config, resolve_model
+from sarazmq.options import EngineOptions
 from sarazmq.protocol.worker import StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import Scheduler
@@ -95,10 +96,10 @@ def test_invalid_pipeline_configs_are_refused(tiny_model: str) -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size=0 must be >= 1"):
         EngineConfig(pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="pipeline_parallel_size=-1"):
-        EngineConfig.from_options(pipeline_parallel_size=-1)
-    assert EngineConfig.from_options(pipeline_parallel_size=3).pipeline_parallel_size == 3
+        EngineOptions(pipeline_parallel_size=-1).to_config()
+    assert EngineOptions(pipeline_parallel_size=3).to_config().pipeline_parallel_size == 3
     with pytest.raises(ValueError, match="tbt_slo=0.05 needs pipeline_parallel_size=1"):
-        EngineConfig.from_options(pipeline_parallel_size=2, tbt_slo=0.05)
+        EngineOptions(pipeline_parallel_size=2, tbt_slo=0.05).to_config()
     with pytest.raises(ValueError, match="exceeds the model's num_layers=5"):
         LLM(model=tiny_model, pipeline_parallel_size=6)
     with pytest.raises(ValueError, match="max_inflight=0 must be >= 1"):

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from sarazmq.cli import main
 from sarazmq.replay.workload import WorkloadRequest, WorkloadSpec, build_workload
 from sarazmq.sim import ReplayLatency, simulate_workload
+from tests.scheduler_harness import sim_config
 from tests.test_simulator import Constant
 
 # ---------------------------------------------------------------------------- vs the engine
@@ -68,11 +69,11 @@ def _run_engine(model: str, reqs: list[WorkloadRequest], engine_kw: dict) -> tup
     """Runs `reqs` on an in-process LLMEngine, adding each request before the first plan
     built at or after its arrival (arrival instants are iteration boundaries, as in the
     simulator). Returns the start instant and the scheduler's iteration records."""
-    from sarazmq.config import EngineConfig
     from sarazmq.engine import LLMEngine
+    from sarazmq.options import EngineOptions
     from sarazmq.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig.from_options(model=model, num_threads=1, **engine_kw))
+    engine = LLMEngine(EngineOptions(model=model, num_threads=1, **engine_kw).to_config())
     clock = _PinnedClock()
     engine.scheduler.clock = clock
     t0 = time.monotonic()
@@ -125,16 +126,13 @@ def test_same_decisions_as_the_engine(tiny_model: str, policy: str, arrivals: st
         "seed": 0,
     }
     t0, real = _run_engine(tiny_model, reqs, engine_kw)
-    sched_kw = {"scheduler": policy, "chunk_size": 24, "max_num_seqs": 5}
-    sim = simulate_workload(
-        reqs,
-        sched_kw,
-        ReplayLatency([r.end - r.start for r in real]),
-        block_size=4,
-        num_blocks=30,
-        max_model_len=256,
-        seed=0,
-    )
+    # the simulated engine of the same options, through the same door
+    config = sim_config(
+        num_blocks=30, max_model_len=256, model=tiny_model, **{
+            k: v for k, v in engine_kw.items() if k not in ("num_kv_blocks", "max_model_len")
+        }
+    )  # fmt: skip
+    sim = simulate_workload(reqs, config, ReplayLatency([r.end - r.start for r in real]))
 
     def batches(its: list) -> list[tuple[int, ...]]:
         return [
@@ -161,9 +159,7 @@ def test_same_decisions_as_the_engine(tiny_model: str, policy: str, arrivals: st
         # arrivals were interleaved with iterations (so their timing was under test), and
         # other iteration times give other batches
         assert reqs[-1].arrival_s > real[0].end - t0
-        fast = simulate_workload(
-            reqs, sched_kw, Constant(1e-4), block_size=4, num_blocks=30, max_model_len=256, seed=0
-        )
+        fast = simulate_workload(reqs, config, Constant(1e-4))
         assert batches(fast.iterations) != batches(real)
 
 
@@ -173,7 +169,7 @@ def test_fitted_model_predicts_an_unseen_workload(tiny_model: str) -> None:
     40 % of the real makespan and mean iteration time. The iterations of this tiny model
     last a few milliseconds on a shared machine, hence the loose bound;
     scripts/sim_fidelity.py checks the full-size model on real traces."""
-    from sarazmq.perf.linear import fit_latency_model
+    from sarazmq.scheduler.latency_fit import fit_latency_model
 
     engine_kw = {"scheduler": "sarathi", "chunk_size": 48, "max_num_seqs": 16,
                  "block_size": 4, "num_kv_blocks": 600, "max_model_len": 256, "seed": 0}  # fmt: skip
@@ -190,10 +186,11 @@ def test_fitted_model_predicts_an_unseen_workload(tiny_model: str) -> None:
     model = fit_latency_model([r.shape() for r in train], [r.end - r.start for r in train])
     test_reqs = workload(4, (20, 200))
     t0, real = _run_engine(tiny_model, test_reqs, engine_kw)
-    sim = simulate_workload(
-        test_reqs, {"scheduler": "sarathi", "chunk_size": 48, "max_num_seqs": 16}, model,
-        block_size=4, num_blocks=600, max_model_len=256, seed=0,
+    config = sim_config(
+        num_blocks=600, max_model_len=256, scheduler="sarathi", chunk_size=48, max_num_seqs=16,
+        block_size=4, seed=0,
     )  # fmt: skip
+    sim = simulate_workload(test_reqs, config, model)
     assert len(sim.iterations) == len(real)  # all at once: the decisions do not depend on time
     real_makespan = real[-1].end - t0
     assert sim.sim_time_s == pytest.approx(real_makespan, rel=0.4)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from sarazmq.perf.shape import IterationShape
 from sarazmq.replay.metrics import summarize
 from sarazmq.replay.workload import PromptSource, WorkloadRequest, WorkloadSpec, build_workload
+from sarazmq.scheduler.shape import IterationShape
 from sarazmq.sim import ReplayLatency, build_sim_scheduler, simulate, simulate_workload
+from tests.scheduler_harness import sim_config
 
 MOONCAKE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -46,7 +47,7 @@ def _requests(lengths: list[tuple[float, int, int]]) -> list[WorkloadRequest]:
 def _sched(policy: str = "sarathi", **kw):
     geometry = {"block_size": 16, "num_blocks": 512, "max_model_len": 4096, "seed": 0}
     geometry.update({k: kw.pop(k) for k in list(kw) if k in geometry})
-    return build_sim_scheduler({"scheduler": policy, **kw}, **geometry)
+    return build_sim_scheduler(sim_config(scheduler=policy, **geometry, **kw))
 
 
 # ---------------------------------------------------------------------------- hand cases
@@ -196,7 +197,7 @@ def test_tbt_slo_budget_in_simulated_time() -> None:
     tbt = {}
     for slo in (0.0, 0.02):
         kw = {"scheduler": "sarathi", "chunk_size": 2048, "tbt_slo": slo}
-        out = simulate_workload(reqs, kw, Linear(), **geometry)
+        out = simulate_workload(reqs, sim_config(**kw, **geometry), Linear())
         s = summarize(out.records, out.iterations)
         assert s["num_completed"] == len(reqs) and s["num_requests"] == len(reqs)
         tbt[slo] = s["tbt_s"]["p99"]
@@ -237,7 +238,8 @@ def test_prefix_sharing_workload_uses_real_prompts() -> None:
     reqs = build_workload(spec)
     kw = {"scheduler": "sarathi", "chunk_size": 256, "enable_prefix_caching": True}
     geometry = {"block_size": 16, "num_blocks": 4000, "max_model_len": 8192, "seed": 0}
-    out = simulate_workload(reqs, kw, Linear(), **geometry)
+    out = simulate_workload(reqs, sim_config(**kw, **geometry), Linear())
     assert summarize(out.records, out.iterations)["prefix_cache"]["hits"] > 0
-    off = simulate_workload(reqs, {**kw, "enable_prefix_caching": False}, Linear(), **geometry)
+    off_kw = {**kw, "enable_prefix_caching": False}
+    off = simulate_workload(reqs, sim_config(**off_kw, **geometry), Linear())
     assert summarize(off.records, off.iterations)["prefix_cache"]["hits"] == 0

@@ -19,10 +19,11 @@ from sarazmq.perf.architectures import get_architecture, get_gpu
 from sarazmq.perf.gpu import RooflineModel
 from sarazmq.perf.load import load_latency_model
 from sarazmq.perf.pipeline import IterationParts, PipelineLatency, split_layers
-from sarazmq.perf.shape import IterationShape, shape_of
 from sarazmq.replay.workload import WorkloadRequest
+from sarazmq.scheduler.shape import IterationShape, shape_of
 from sarazmq.sim import build_sim_scheduler, simulate, simulate_workload
 from sarazmq.sim.pipeline import StageTimeline
+from tests.scheduler_harness import sim_config
 
 
 class Layers:
@@ -70,12 +71,15 @@ def _random_requests(n: int, seed: int, rate: float) -> list[WorkloadRequest]:
 
 def _sched(policy: str = "sarathi", pp: int = 2, **kw):
     return build_sim_scheduler(
-        {"scheduler": policy, **kw},
-        block_size=16,
-        num_blocks=4096,
-        max_model_len=4096,
-        seed=0,
-        max_inflight=pp,
+        sim_config(
+            scheduler=policy,
+            block_size=16,
+            num_blocks=4096,
+            max_model_len=4096,
+            seed=0,
+            pipeline_parallel_size=pp,
+            **kw,
+        )
     )
 
 
@@ -195,15 +199,17 @@ def test_sarathi_has_smaller_bubbles_than_vllm_at_70b_scale() -> None:
     latency, _ = load_latency_model(None, "a100", "llama-2-70b", tp=4, pp=2)
     bubbles = {}
     for policy in ("sarathi", "vllm"):
-        out = simulate_workload(
-            reqs,
-            {"scheduler": policy, "chunk_size": 512, "max_num_seqs": 128},
-            latency,
+        config = sim_config(
+            scheduler=policy,
+            chunk_size=512,
+            max_num_seqs=128,
             block_size=16,
             num_blocks=20_000,
             max_model_len=4096,
             seed=0,
+            pipeline_parallel_size=2,
         )
+        out = simulate_workload(reqs, config, latency)
         assert all(r.ok for r in out.records)
         assert out.pipeline is not None
         bubbles[policy] = out.pipeline.bubble_fraction

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from sarazmq.cli import main
 from sarazmq.config import DEFAULT_CHUNK_SIZE
-from sarazmq.perf.shape import IterationShape
 from sarazmq.replay.metrics import IterationSample, RequestRecord
+from sarazmq.scheduler.shape import IterationShape
 from sarazmq.sweep.backends import SimSetup, sim_backend
 from sarazmq.sweep.grid import SweepGrid, SweepPoint
 from sarazmq.sweep.metrics import busy_fraction, point_row, stall_total, utilization
@@ -36,6 +36,7 @@ from sarazmq.sweep.store import (
     flag_points,
     read_points,
 )
+from tests.scheduler_harness import sim_config
 
 SHORT = LengthSource(input_tokens=32, output_tokens=16)
 LONG = LengthSource(input_tokens=400, output_tokens=16)
@@ -83,15 +84,10 @@ class TokenCost:
 
 
 def _sim(**over: object):
-    setup: dict[str, object] = dict(
-        latency=LinearLatency(),
-        max_num_seqs=32,
-        block_size=16,
-        num_blocks=2048,
-        max_model_len=1024,
-    )
-    setup.update(over)
-    return sim_backend(SimSetup(**setup))  # type: ignore[arg-type]
+    engine: dict[str, object] = dict(max_num_seqs=32, block_size=16)
+    engine.update({k: v for k, v in over.items() if k != "latency"})
+    config = sim_config(num_blocks=2048, max_model_len=1024, **engine)
+    return sim_backend(SimSetup(config=config, latency=over.get("latency", LinearLatency())))
 
 
 # ---------------------------------------------------------------------------- grid
@@ -579,8 +575,12 @@ def test_cli_simulated_sweep_passes_the_tbt_target_to_sarathi_only(tmp_path: Pat
             "--keep-runs", "--output-dir", str(out)]  # fmt: skip
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
+    # a simulated point records its engine config as a real run does (nested, as the
+    # EngineConfig), not a hand-built flat dict
     engines = {
-        d.name.split("_")[0]: json.loads((d / "summary.json").read_text())["settings"]["engine"]
+        d.name.split("_")[0]: json.loads((d / "summary.json").read_text())["settings"]["engine"][
+            "scheduler"
+        ]
         for d in (out / "points").iterdir()
     }
     assert engines["sarathi"]["tbt_slo"] == 0.05

@@ -7,3 +7,13 @@
 - `responses`, `encoding`, `errors`, `metrics`: bodies, JSON, OpenAI errors, Prometheus.
 - `server`: running it on uvicorn (the deployment's `api` process, or `sarazmq api`).
 """
+
+from sarazmq.api.app import APIConfig, OpenAIServer
+from sarazmq.api.server import HTTPBind, serve_http
+
+__all__ = [
+    "APIConfig",
+    "HTTPBind",
+    "OpenAIServer",
+    "serve_http",
+]

@@ -38,7 +38,7 @@ from sarazmq.api.schemas import (
     to_sampling_params,
 )
 from sarazmq.api.streams import Generation, open_generations, stream_chat, stream_completions
-from sarazmq.client import AsyncClient
+from sarazmq.client import AsyncClient, replica_summaries
 from sarazmq.outputs import RequestOutput
 from sarazmq.validation import InvalidRequestError
 
@@ -179,6 +179,9 @@ class OpenAIServer:
         report = await self._engine().health(self.config.health_timeout)
         if not report.healthy:
             raise APIError(503, f"unhealthy: {report.reason}", type="service_unavailable")
+        replicas = report.stats.get("replicas")
+        if replicas:  # data-parallel replicas: which are up (200 while any serves)
+            return json_response({"status": "ok", "replicas": replica_summaries(replicas)})
         return Response(status_code=200)
 
     async def version(self, request: Request) -> Response:

@@ -36,8 +36,31 @@ class _SchedulerCollector(Collector):
         self.stats: Mapping[str, Any] = {}
 
     def collect(self) -> Iterable[Any]:
-        s = self.stats
-        labels = ["model_name"]
+        replicas = self.stats.get("replicas")
+        if not replicas:
+            yield from self._collect(self.stats, ["model_name"], [self.model_name])
+            return
+        # data-parallel replicas: every gauge and counter per replica, and whether it is up
+        up = GaugeMetricFamily(
+            PREFIX + "replica_up", "1 when the replica serves", labels=["model_name", "replica"]
+        )
+        for r in replicas:
+            up.add_metric([self.model_name, str(r["instance"])], 1.0 if r.get("alive") else 0.0)
+        yield up
+        families: dict[str, Any] = {}
+        for r in replicas:
+            if not r.get("alive"):
+                continue
+            values = [self.model_name, str(r["instance"])]
+            for fam in self._collect(r, ["model_name", "replica"], values):
+                if fam.name in families:
+                    families[fam.name].samples.extend(fam.samples)
+                else:
+                    families[fam.name] = fam
+        yield from families.values()
+
+    def _collect(self, s: Mapping[str, Any], labels: list[str], values: list[str]) -> Iterable[Any]:
+        """One engine's (or one replica's) gauges and counters, labelled `values`."""
         gauges = {
             "num_requests_running": ("requests running on the engine", s.get("num_running")),
             "num_requests_waiting": ("requests waiting to be admitted", s.get("num_waiting")),
@@ -63,14 +86,14 @@ class _SchedulerCollector(Collector):
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             if value is not None:
-                g.add_metric([self.model_name], float(value))
+                g.add_metric(values, float(value))
             yield g
         total, free = s.get("num_total_blocks"), s.get("num_free_blocks")
         g = GaugeMetricFamily(
             PREFIX + "kv_cache_usage_perc", "KV-cache usage (1 = full)", labels=labels
         )
         if total:
-            g.add_metric([self.model_name], 1.0 - float(free or 0) / float(total))
+            g.add_metric(values, 1.0 - float(free or 0) / float(total))
         yield g
         counters = {
             "num_preemptions": ("recompute preemptions so far", ("num_preemptions",)),
@@ -86,7 +109,7 @@ class _SchedulerCollector(Collector):
         for name, (doc, keys) in counters.items():
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             if s:  # the stats omit counters still at 0
-                c.add_metric([self.model_name], float(sum(s.get(k, 0) for k in keys)))
+                c.add_metric(values, float(sum(s.get(k, 0) for k in keys)))
             yield c
 
 
@@ -122,6 +145,7 @@ class ServerMetrics:
             "iteration_tokens_total", "tokens per engine iteration", TOKEN_BUCKETS
         )
         self.next_step = -1  # first iteration record not yet observed (-1: none read yet)
+        self._next: dict[int, int] = {}  # per replica: its next step to observe
 
     def observe_request(self, out: RequestOutput) -> None:
         """A request this server handled has finished: its counts and latencies."""
@@ -138,18 +162,24 @@ class ServerMetrics:
         self.e2e.labels(label).observe(max(0.0, times[-1] - out.arrival_time))
 
     def observe_stats(self, stats: Mapping[str, Any]) -> None:
-        """The scheduler's stats (with "iterations" since `next_step` when asked for)."""
+        """The scheduler's stats (with "iterations" since `next_step` when asked for).
+        With several replicas step numbers are per replica ("instance" in each record),
+        so each has its own cursor and `next_step` is the lowest of them."""
         self._scheduler.stats = stats
         for it in stats.get("iterations", []):
+            instance = int(it.get("instance", 0))
             step = int(it.get("step", 0))
-            if step < self.next_step:
+            if step < self._next.get(instance, self.next_step):
                 continue
             tokens = int(it.get("num_prefill_tokens", 0)) + int(it.get("num_decode_tokens", 0))
             self.iteration_tokens.labels(self.model_name).observe(tokens)
-            self.next_step = step + 1
+            self._next[instance] = step + 1
         if self.next_step < 0:
             # first scrape: count from here on, not the engine's whole history
-            self.next_step = int(stats.get("num_iterations", 0)) + 1
+            for r in stats.get("replicas") or [{"instance": 0, **stats}]:
+                self._next[int(r["instance"])] = int(r.get("num_iterations", 0)) + 1
+        if self._next:
+            self.next_step = min(self._next.values())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -152,7 +152,7 @@ def _probes(
     is_flag=True,
     help="simulate every probe (real scheduler, simulated time) instead of a deployment",
 )
-@latency_source_options(tp=False)
+@latency_source_options
 @engine_options
 def capacity(trace: str, **kw: Any) -> None:
     """Search each policy's capacity on TRACE (help text: _CAPACITY_HELP)."""

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from sarazmq.cli.options import client_kwargs, engine_config, engine_options, server_key_option
+from sarazmq.client import replica_summaries
 from sarazmq.config import DeploymentConfig
 from sarazmq.sampling_params import SamplingParams
 
@@ -76,7 +77,18 @@ def health(endpoint: str, timeout: float, curve_server_key_file: str | None) -> 
         click.echo(f"healthy: one token in {report.latency_s:.2f} s{extra}")
     for n in nodes:
         click.echo("  " + _node_line(n))
+    for r in replica_summaries(stats.get("replicas") or []):
+        click.echo("  " + _replica_line(r))
     sys.exit(1 if down else 0)
+
+
+def _replica_line(r: dict[str, Any]) -> str:
+    if not r["alive"]:
+        return f"replica {r['instance']}: down"
+    return (
+        f"replica {r['instance']}: up, {r['num_running']} running, {r['num_waiting']} waiting, "
+        f"{r['num_free_blocks']}/{r['num_total_blocks']} KV blocks free"
+    )
 
 
 def _node_line(node: dict[str, Any]) -> str:

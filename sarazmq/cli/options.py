@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
 
-from sarazmq.config import (
-    ATTENTION_BACKENDS,
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_MODEL,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    POLICIES,
-    EngineConfig,
-)
+from sarazmq.config import EngineConfig
+from sarazmq.options import EngineOptions, Flag, option_flags
 
 Decorator = Callable[[Any], Any]
 
@@ -33,63 +25,29 @@ def stack(*options: Decorator) -> Decorator:
     return deco
 
 
-#: Engine options that shape scheduling: every command that starts or simulates an
-#: engine has them (`engine_options` and the simulator's `sim_scheduling_options`).
-policy_options = stack(
-    click.option(
-        "--scheduler",
-        "scheduler",
-        type=click.Choice(POLICIES),
-        default="sarathi",
-        show_default=True,
-        help="batching policy",
-    ),
-    click.option(
-        "--chunk-size",
-        default=DEFAULT_CHUNK_SIZE,
-        show_default=True,
-        help="per-iteration token budget",
-    ),
-    click.option("--max-num-seqs", default=DEFAULT_MAX_NUM_SEQS, show_default=True),
-    click.option(
-        "--tbt-slo",
-        type=float,
-        default=0.0,
-        show_default=True,
-        help="time-between-tokens target (s): each iteration's chunk is the largest whose "
-        "predicted time fits the decodes' slack; --chunk-size is its upper bound (sarathi; "
-        "0 = fixed chunk; calibrated at startup)",
-    ),
-    click.option("--block-size", default=16, show_default=True),
-    click.option(
-        "--prefix-caching/--no-prefix-caching",
-        "enable_prefix_caching",
-        default=True,
-        show_default=True,
-        help="reuse the KV of shared prompt prefixes (whole blocks)",
-    ),
-)
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 
-#: Every option that builds an EngineConfig; each parameter is named as in
-#: `EngineConfig.from_options`, so `engine_config(kw)` passes them through.
+
+def _click_option(f: dataclasses.Field[Any], flag: Flag, *, sim: bool) -> Decorator:
+    """The click option of one `EngineOptions` field (its parameter named as the field)."""
+    text = (flag.sim_help or flag.help) if sim else flag.help
+    if f.type == "bool":
+        if flag.negative:
+            return click.option(
+                f"{flag.name}/{flag.negative}", f.name, default=f.default, show_default=True,
+                help=text,
+            )  # fmt: skip
+        return click.option(flag.name, f.name, is_flag=True, default=f.default, help=text)
+    kind: Any = click.Choice(flag.choices) if flag.choices else _TYPES[str(f.type)]
+    return click.option(
+        flag.name, f.name, type=kind, default=f.default, show_default=True, help=text
+    )
+
+
+#: Every option that builds an EngineConfig (generated from `EngineOptions`), plus the
+#: deployment's --detokenizers; `engine_config(kw)` turns a command's values into the config.
 engine_options = stack(
-    click.option(
-        "--model",
-        default=DEFAULT_MODEL,
-        show_default=True,
-        help="model name, .gguf file, or Hugging Face folder",
-    ),
-    policy_options,
-    click.option(
-        "--tp", "tensor_parallel_size", default=1, show_default=True, help="tensor-parallel workers"
-    ),
-    click.option(
-        "--pp",
-        "pipeline_parallel_size",
-        default=1,
-        show_default=True,
-        help="pipeline stages (the layers split evenly; tp x pp workers in all)",
-    ),
+    *(_click_option(f, flag, sim=False) for f, flag in option_flags()),
     click.option(
         "--detokenizers",
         "num_detokenizers",
@@ -97,85 +55,29 @@ engine_options = stack(
         show_default=True,
         help="detokenizer processes",
     ),
-    click.option(
-        "--dtype",
-        type=click.Choice(DTYPES),
-        default="auto",
-        show_default=True,
-        help="auto: bfloat16 where the hardware computes it natively (AMX or AVX512-BF16 CPUs, "
-        "CUDA GPUs with bf16), else float32",
-    ),
-    click.option(
-        "--kv-cache-dtype",
-        type=click.Choice(KV_CACHE_DTYPES),
-        default="auto",
-        show_default=True,
-        help="auto: the model's dtype; int8: half the bytes of bf16 per cached token "
-        "(faster decode attention, more tokens in the pool, ~7 bits of precision per row)",
-    ),
-    click.option(
-        "--num-kv-blocks",
-        default=0,
-        show_default=True,
-        help="KV pool size in blocks (0 = from available memory)",
-    ),
-    click.option(
-        "--max-model-len",
-        default=0,
-        show_default=True,
-        help="longest prompt+output (0 = the model's context)",
-    ),
-    click.option(
-        "--attention-backend",
-        type=click.Choice(ATTENTION_BACKENDS),
-        default="auto",
-        show_default=True,
-    ),
-    click.option(
-        "--enforce-eager",
-        is_flag=True,
-        help="run the model op by op (no fused one-call decode step)",
-    ),
-    click.option("--device", default="auto", show_default=True),
-    click.option(
-        "--threads",
-        "num_threads",
-        default=0,
-        show_default=True,
-        help="torch threads per worker (0 = cores / tp)",
-    ),
-    click.option(
-        "--latency-profile",
-        default="",
-        help="with --tbt-slo: a `sarazmq profile` JSON to seed the latency model (default: "
-        "calibrate at startup)",
-    ),
-    click.option(
-        "--max-waiting",
-        default=0,
-        show_default=True,
-        help="refuse new requests (overloaded; HTTP 503) while this many wait (0 = no limit)",
-    ),
-    click.option(
-        "--seed",
-        type=int,
-        default=0,
-        show_default=True,
-        help="the run's seed: per-request sampling seeds drawn by the engine (and, for "
-        "replay, the workload)",
-    ),
 )
 
-_ENGINE_KEYS = tuple(inspect.signature(EngineConfig.from_options).parameters)
+#: The engine options a simulated engine takes (`simulate`; scheduling, KV geometry,
+#: parallelism, seed), generated from the same fields with the simulator's help texts.
+sim_engine_options = stack(
+    *(_click_option(f, flag, sim=True) for f, flag in option_flags(sim_only=True))
+)
+
+
+def engine_options_of(kw: Mapping[str, Any], **overrides: Any) -> EngineOptions:
+    """The `EngineOptions` among a command's values (`overrides` win), or a one-line click
+    error naming the bad value."""
+    try:
+        return EngineOptions.from_mapping(kw, **overrides)
+    except (TypeError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 def engine_config(kw: Mapping[str, Any], **overrides: Any) -> EngineConfig:
     """The EngineConfig of a command's engine options (`overrides` win), or a one-line
     click error naming the bad value."""
-    options = {k: kw[k] for k in _ENGINE_KEYS if k in kw}
-    options.update(overrides)
     try:
-        return EngineConfig.from_options(**options)
+        return engine_options_of(kw, **overrides).to_config()
     except ValueError as e:
         raise click.ClickException(str(e)) from None
 

@@ -176,6 +176,11 @@ def serve(
         f"{sched.policy}, chunk {sched.chunk_size}, "
         f"tp {dep.config.tensor_parallel_size} x pp {dep.config.pipeline_parallel_size}"
         + (f" over {nnodes} nodes" if nnodes > 1 else "")
+        + (
+            f", {dep.config.data_parallel_size} replicas ({dep.config.router} router)"
+            if dep.config.data_parallel_size > 1
+            else ""
+        )
         + f", {dep.config.cache.num_blocks} KV blocks"
         + (" of int8" if dep.config.cache.kv_cache_dtype == "int8" else "")
         + ") on "
@@ -288,8 +293,7 @@ def api(
     """Serve the OpenAI-compatible HTTP API for a running deployment (until Ctrl-C)."""
     import asyncio
 
-    from sarazmq.api.app import APIConfig
-    from sarazmq.api.server import HTTPBind, serve_http
+    from sarazmq.api import APIConfig, HTTPBind, serve_http
     from sarazmq.cli.options import client_kwargs
     from sarazmq.model.loader import load_model_config, load_tokenizer, resolve_model
     from sarazmq.procs.endpoints import check_http_bind

@@ -12,16 +12,16 @@ import click
 from sarazmq.cli.sim_options import (
     latency_line,
     load_latency,
+    sim_config,
     sim_engine_line,
-    sim_geometry,
-    sim_settings,
     sim_vocabulary,
 )
+from sarazmq.config import EngineConfig
 from sarazmq.replay.describe import describe
 from sarazmq.replay.metrics import summarize
 from sarazmq.replay.report import write_run
 from sarazmq.replay.workload import WorkloadRequest, WorkloadSpec, build_workload
-from sarazmq.sim.run import simulate_workload
+from sarazmq.sim.run import sim_run_settings, simulate_workload
 
 
 class SimProbes:
@@ -31,8 +31,13 @@ class SimProbes:
     def __init__(self, kw: Mapping[str, Any]) -> None:
         if kw.get("connect"):
             raise click.BadParameter("a simulation has no deployment", param_hint="--connect")
+        if kw.get("data_parallel_size", 1) != 1:
+            raise click.BadParameter(
+                "the capacity search simulates one replica (a fleet: `sarazmq simulate --dp`)",
+                param_hint="--dp",
+            )
         self.latency, self.info = load_latency(kw)
-        self.geometry: dict[str, int] = {}
+        self.config: EngineConfig | None = None
 
     def workload_kw(self, kw: Mapping[str, Any]) -> dict[str, Any]:
         """The options with a model-free prompt vocabulary (`sim_vocabulary`)."""
@@ -40,12 +45,20 @@ class SimProbes:
         return {**kw, "model": "", "vocab_size": vocab, "avoid_ids": avoid}
 
     def set_workload(self, kw: Mapping[str, Any], requests: Sequence[WorkloadRequest]) -> None:
-        """Fixes the KV geometry (the workload's lengths do not depend on the rate)."""
-        self.geometry = sim_geometry(kw, self.info, requests)
+        """Fixes the engine and its KV geometry (the workload's lengths do not depend on
+        the rate)."""
+        self.config = sim_config(kw, self.info, requests)
         click.echo(latency_line(self.info))
 
+    def policy_config(self, policy: str) -> EngineConfig:
+        """The simulated engine under `policy` (after `set_workload`)."""
+        if self.config is None:
+            raise RuntimeError("set_workload() first: the KV geometry follows the workload")
+        return self.config.with_policy(policy)
+
     def engine_line(self, kw: Mapping[str, Any], policy: str) -> str:
-        return sim_engine_line(kw, policy, self.geometry)
+        del kw  # the engine was fixed by set_workload
+        return sim_engine_line(self.policy_config(policy))
 
     def runner(
         self, spec: WorkloadSpec, kw: Mapping[str, Any], policy: str, out_dir: Path
@@ -53,16 +66,13 @@ class SimProbes:
         """The capacity search's run_at_qps: simulates `spec` re-timed at the probed rate,
         writes the probe's run under out_dir/POLICY/qps-RATE/ and returns its summary."""
 
+        config = self.policy_config(policy)
+
         def run_at_qps(qps: float) -> dict[str, Any]:
             probe_spec = dataclasses.replace(spec, qps=qps)
             requests = build_workload(probe_spec)
             out = simulate_workload(
-                requests,
-                {**kw, "scheduler": policy},
-                self.latency,
-                **self.geometry,
-                seed=kw["seed"],
-                overhead_s=self.info["overhead_s"],
+                requests, config, self.latency, overhead_s=self.info["overhead_s"]
             )
             summary = summarize(out.records, out.iterations)
             write_run(
@@ -70,8 +80,8 @@ class SimProbes:
                 summary,
                 out.records,
                 out.iterations,
-                workload=describe(probe_spec, requests, block_size=self.geometry["block_size"]),
-                settings=sim_settings(kw, policy, self.geometry, self.info, out),
+                workload=describe(probe_spec, requests, block_size=config.cache.block_size),
+                settings=sim_run_settings(config, self.info, out),
                 plots=False,
             )
             return summary

@@ -1,14 +1,13 @@
 """What the simulating commands share (`simulate`, `capacity --simulate`, `sweep --simulate`):
-the latency source options, the scheduling options, and the simulated engine's geometry.
+the latency source options, and the simulated engine built from the engine's own options.
 
-- `latency_source_options(tp=...)`: --profile, or --gpu and --arch (plus --tp and --pp
-  when the command has no engine --tp/--pp of its own), --pp-link-gbs, and --overhead-ms.
-- `sim_scheduling_options`: the engine options that shape scheduling (--scheduler,
-  --chunk-size, --tbt-slo, --max-num-seqs, --block-size, --num-kv-blocks, --max-model-len,
-  --prefix-caching, --seed), named as `engine_options` names them so one option dict
-  serves both.
+- `latency_source_options`: --profile, or --gpu and --arch, --pp-link-gbs, and
+  --overhead-ms (--tp and --pp are engine options: `simulate` takes them from
+  `sim_engine_options`, the others from `engine_options`).
 - `load_latency(kw)`, `sim_vocabulary(kw, info)`, `sim_geometry(kw, info, requests)`,
-  `sim_settings(...)`, `sim_engine_line(...)`: what the commands do with them.
+  `sim_config(kw, info, requests)` (the resolved `EngineConfig`: the engine options of
+  the command, through `EngineOptions`, with the derived KV pool and context),
+  `sim_engine_line(config)`: what the commands do with them.
 """
 
 from __future__ import annotations
@@ -18,10 +17,11 @@ from typing import Any
 
 import click
 
-from sarazmq.cli.options import policy_options, stack
+from sarazmq.cli.options import engine_options_of, stack
+from sarazmq.config import EngineConfig
 from sarazmq.perf.pipeline import DEFAULT_PP_LINK_BANDWIDTH
 from sarazmq.replay.workload import WorkloadRequest
-from sarazmq.sim.simulator import SimOutcome
+from sarazmq.sim.run import sim_engine_config
 
 #: vocabulary of the prompts when nothing says otherwise (Llama-2 / Mistral's)
 DEFAULT_SIM_VOCAB = 32000
@@ -31,11 +31,9 @@ GPU_MEMORY_UTILIZATION = 0.9
 GPU_ELEM_BYTES = 2
 
 
-def latency_source_options(*, tp: bool) -> Any:
-    """--profile | --gpu + --arch, --pp-link-gbs, --overhead-ms; with tp=True also --tp
-    and --pp (a command with engine options has its own, read under
-    "tensor_parallel_size" and "pipeline_parallel_size")."""
-    opts = [
+def latency_source_options(f: Any) -> Any:
+    """--profile | --gpu + --arch, --pp-link-gbs, --overhead-ms."""
+    return stack(
         click.option(
             "--profile",
             default=None,
@@ -48,23 +46,6 @@ def latency_source_options(*, tp: bool) -> Any:
         click.option(
             "--arch", default=None, help="the model architecture for --gpu, e.g. mistral-7b"
         ),
-    ]
-    if tp:
-        opts.append(
-            click.option(
-                "--tp", "tensor_parallel_size", default=1, show_default=True, help="GPUs per model"
-            )
-        )
-        opts.append(
-            click.option(
-                "--pp",
-                "pipeline_parallel_size",
-                default=1,
-                show_default=True,
-                help="pipeline stages (with --gpu/--arch: the layers split evenly, tp x pp GPUs)",
-            )
-        )
-    opts.append(
         click.option(
             "--pp-link-gbs",
             type=float,
@@ -72,37 +53,15 @@ def latency_source_options(*, tp: bool) -> Any:
             show_default=True,
             help="GB/s between consecutive pipeline stages (default: a 200 Gb/s InfiniBand "
             "port per GPU, stages on two nodes; NVLink within a node: 300 on A100)",
-        )
-    )
-    opts.append(
+        ),
         click.option(
             "--overhead-ms",
             type=float,
             default=None,
             help="added to every simulated iteration (ms; default: the gap between "
             "iterations a `profile --from-runs` measured, else 0)",
-        )
-    )
-    return stack(*opts)
-
-
-#: The engine options that shape scheduling, for commands that simulate only.
-sim_scheduling_options = stack(
-    policy_options,
-    click.option(
-        "--num-kv-blocks",
-        default=0,
-        show_default=True,
-        help="KV pool size in blocks (0 = the profile's engine pool, or GPU memory minus weights)",
-    ),
-    click.option(
-        "--max-model-len",
-        default=0,
-        show_default=True,
-        help="longest prompt+output (0 = the profiled model's context, else the workload's longest)",
-    ),
-    click.option("--seed", type=int, default=0, show_default=True, help="workload and engine seed"),
-)
+        ),
+    )(f)
 
 
 def load_latency(kw: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -230,16 +189,35 @@ def sim_geometry(
     }
 
 
-def sim_engine_line(kw: Mapping[str, Any], policy: str, geometry: Mapping[str, int]) -> str:
+def sim_config(
+    kw: Mapping[str, Any], info: Mapping[str, Any], requests: Sequence[WorkloadRequest]
+) -> EngineConfig:
+    """The simulated engine's resolved config: the command's engine options through the
+    one door (`EngineOptions`), with the KV pool and context of `sim_geometry`; its model
+    is the architecture it stands for (--arch, or the profiled engine's). One-line click
+    errors for a bad value."""
+    geometry = sim_geometry(kw, info, requests)
+    model = kw.get("arch") or str(_profile_engine(info).get("model") or "")
+    options = engine_options_of(kw, model=model)
+    try:
+        return sim_engine_config(
+            options, num_blocks=geometry["num_blocks"], max_model_len=geometry["max_model_len"]
+        )
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def sim_engine_line(config: EngineConfig) -> str:
     """The simulated engine in one line (printed before each run)."""
-    slo = f"tbt slo: {kw['tbt_slo']} s  " if kw.get("tbt_slo") else ""
-    pp = int(kw.get("pipeline_parallel_size") or 1)
+    sched, cache = config.scheduler, config.cache
+    slo = f"tbt slo: {sched.tbt_slo} s  " if sched.tbt_slo else ""
+    pp = config.pipeline_parallel_size
     stages = f"pp: {pp}  " if pp > 1 else ""
     return (
-        f"simulated engine: scheduler: {policy}  chunk: {kw['chunk_size']}  {slo}{stages}"
-        f"max_num_seqs: {kw['max_num_seqs']}  kv blocks: {geometry['num_blocks']} x "
-        f"{geometry['block_size']}  max_model_len: {geometry['max_model_len']}  prefix "
-        f"caching: {'on' if kw['enable_prefix_caching'] else 'off'}"
+        f"simulated engine: scheduler: {sched.policy}  chunk: {sched.chunk_size}  {slo}{stages}"
+        f"max_num_seqs: {sched.max_num_seqs}  kv blocks: {cache.num_blocks} x "
+        f"{cache.block_size}  max_model_len: {sched.max_model_len}  prefix "
+        f"caching: {'on' if cache.enable_prefix_caching else 'off'}"
     )
 
 
@@ -257,11 +235,9 @@ def latency_line(info: Mapping[str, Any]) -> str:
     return f"latency model: {src} ({what})"
 
 
-def pipeline_line(out: SimOutcome) -> str:
-    """The pipeline's bubble fraction and per-stage busy time in one line (pp > 1)."""
-    if out.pipeline is None:
-        return "pipeline: not recorded"
-    p = out.pipeline.to_dict()
+def sim_pipeline_line(p: Mapping[str, Any]) -> str:
+    """The pipeline's bubble fraction and per-stage busy time (a summary's "pipeline",
+    `PipelineStats.to_dict`) in one line."""
     busy = " ".join(f"{b:.3f}" for b in p["stage_busy_fraction"])
     return (
         f"pipeline: {p['pp']} stages  bubble fraction {p['bubble_fraction']:.3f}  stage busy "
@@ -270,38 +246,12 @@ def pipeline_line(out: SimOutcome) -> str:
     )
 
 
-def sim_settings(
-    kw: Mapping[str, Any],
-    policy: str,
-    geometry: Mapping[str, int],
-    latency_info: Mapping[str, Any],
-    out: SimOutcome,
-) -> dict[str, Any]:
-    """The run's settings for summary.json: simulated, the engine it stood for, the latency
-    model's source, and the simulation's own wall time."""
-    return {
-        "simulated": True,
-        "latency_model": dict(latency_info),
-        "engine": {
-            "scheduler": {
-                "policy": policy,
-                "chunk_size": kw["chunk_size"],
-                "tbt_slo": kw.get("tbt_slo") or 0.0,
-                "max_num_seqs": kw["max_num_seqs"],
-                "max_model_len": geometry["max_model_len"],
-            },
-            "cache": {
-                "block_size": geometry["block_size"],
-                "num_blocks": geometry["num_blocks"],
-                "enable_prefix_caching": kw["enable_prefix_caching"],
-            },
-            "seed": kw["seed"],
-        },
-        "sim_wall_s": out.wall_s,
-        "sim_time_s": out.sim_time_s,
-        "num_iterations": out.num_iterations,
-    } | (
-        {"pipeline_parallel_size": out.pipeline.pp}
-        if out.pipeline is not None and out.pipeline.pp > 1
-        else {}
+def fleet_line(f: Mapping[str, Any]) -> str:
+    """A fleet run's replicas, router, prefix-cache hit rate and balance (a summary's
+    "fleet", `FleetOutcome.fleet_summary`) in one line."""
+    busy, reqs = f["busy_fraction"], f["requests_per_replica"]
+    return (
+        f"fleet: {f['replicas']} replicas  router {f['router']['policy']}  prefix cache hit "
+        f"{100 * f['prefix_hit_rate']:.1f} %  requests per replica {reqs['min']}-{reqs['max']}"
+        f"  busy {busy['min']:.3f}-{busy['max']:.3f} (mean {busy['mean']:.3f})"
     )

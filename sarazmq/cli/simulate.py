@@ -3,20 +3,21 @@ simulated time with iteration times from a latency model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
+from sarazmq.cli.options import sim_engine_options
 from sarazmq.cli.sim_options import (
+    fleet_line,
     latency_line,
     latency_source_options,
     load_latency,
-    pipeline_line,
+    sim_config,
     sim_engine_line,
-    sim_geometry,
-    sim_scheduling_options,
-    sim_settings,
+    sim_pipeline_line,
     sim_vocabulary,
 )
 from sarazmq.cli.workload_options import (
@@ -26,10 +27,13 @@ from sarazmq.cli.workload_options import (
     prepare_workload,
     workload_options,
 )
+from sarazmq.config import EngineConfig
 from sarazmq.replay.describe import format_header
-from sarazmq.replay.metrics import summarize
+from sarazmq.replay.metrics import RequestRecord, summarize
 from sarazmq.replay.report import format_comparison, format_table, write_comparison, write_run
-from sarazmq.sim.run import simulate_workload
+from sarazmq.replay.workload import WorkloadRequest
+from sarazmq.sim.fleet import simulate_fleet
+from sarazmq.sim.run import sim_run_settings, simulate_workload
 
 _SIMULATE_HELP = (
     """Simulate serving TRACE: the real scheduler (policy, KV block manager, prefix cache)
@@ -55,9 +59,14 @@ summary.json, requests.csv, iterations.csv, records.jsonl and plots as `replay` 
 @click.command(help=_SIMULATE_HELP)
 @click.argument("trace")
 @workload_options(retime=True)
-@latency_source_options(tp=True)
-@sim_scheduling_options
+@latency_source_options
+@sim_engine_options
 @comparison_options("simulate the same workload with each")
+@click.option(
+    "--scale-to-fleet",
+    is_flag=True,
+    help="with --dp N: run the trace N times faster, so each replica sees the trace's own rate",
+)
 @click.option("--plots/--no-plots", default=True, show_default=True, help="write the PNG plots")
 def simulate(trace: str, **kw: Any) -> None:
     """Simulate serving TRACE (help text: _SIMULATE_HELP)."""
@@ -76,56 +85,99 @@ def simulate(trace: str, **kw: Any) -> None:
     latency, info = load_latency(kw)
     vocab, avoid = sim_vocabulary(kw, info)
     kw = {**kw, "model": "", "vocab_size": vocab, "avoid_ids": avoid}
+    if kw["scale_to_fleet"]:
+        kw["time_scale"] = (kw["time_scale"] or 1.0) / kw["data_parallel_size"]
     spec, requests, workload = prepare_workload(trace, kw)
     click.echo(format_header(workload))
-    geometry = sim_geometry(kw, info, requests)
+    base = sim_config(kw, info, requests)
     click.echo(latency_line(info))
     out_dir = Path(kw["output_dir"])
     summaries: dict[str, dict[str, Any]] = {}
     records = {}
     for policy in policies:
-        click.echo(sim_engine_line(kw, policy, geometry))
-        try:
-            out = simulate_workload(
-                requests,
-                {**kw, "scheduler": policy},
-                latency,
-                **geometry,
-                seed=kw["seed"],
-                overhead_s=info["overhead_s"],
-                progress=kw["progress"],
-            )
-        except ValueError as e:
-            raise click.ClickException(f"{policy}: {e}") from None
-        click.echo(
-            f"simulated {out.sim_time_s:.1f} s ({out.num_iterations} iterations) in "
-            f"{out.wall_s:.1f} s",
-            err=True,
-        )
-        summary = summarize(out.records, out.iterations, kw["slo_ttft"], kw["slo_tbt"])
-        pipelined = out.pipeline is not None and out.pipeline.pp > 1
-        if pipelined:
-            summary["pipeline"] = out.pipeline.to_dict()
+        config = base.with_policy(policy)
+        click.echo(sim_engine_line(config))
         run_dir = out_dir / policy if comparing else out_dir
-        write_run(
-            run_dir,
-            summary,
-            out.records,
-            out.iterations,
-            workload=workload,
-            settings=sim_settings(kw, policy, geometry, info, out),
-            plots=kw["plots"],
-        )
+        if config.data_parallel_size > 1:
+            summary, recs = _simulate_fleet(requests, config, latency, info, kw, run_dir, workload)
+        else:
+            summary, recs = _simulate_one(requests, config, latency, info, kw, run_dir, workload)
         if comparing:
             click.echo(f"--- {policy}")
         click.echo(format_table(summary))
-        if pipelined:
-            click.echo(pipeline_line(out))
+        if "pipeline" in summary:
+            click.echo(sim_pipeline_line(summary["pipeline"]))
+        if "fleet" in summary:
+            click.echo(fleet_line(summary["fleet"]))
         click.echo(f"wrote {run_dir}/")
         summaries[policy] = summary
-        records[policy] = out.records
+        records[policy] = recs
     if comparing:
         write_comparison(out_dir, summaries, records, baseline=baseline, plots=kw["plots"])
         click.echo(format_comparison(summaries, baseline))
         pngs = ", compare_*_cdf.png" if kw["plots"] else ""
         click.echo(f"wrote {out_dir}/comparison.json, comparison.txt{pngs}")
+
+
+def _simulate_one(
+    requests: Sequence[WorkloadRequest],
+    config: EngineConfig,
+    latency: Any,
+    info: dict[str, Any],
+    kw: dict[str, Any],
+    run_dir: Path,
+    workload: dict[str, Any],
+) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """One engine (one replica, maybe pipelined): simulate, summarize, write the run."""
+    try:
+        out = simulate_workload(
+            requests, config, latency, overhead_s=info["overhead_s"], progress=kw["progress"]
+        )
+    except ValueError as e:
+        raise click.ClickException(f"{config.scheduler.policy}: {e}") from None
+    click.echo(
+        f"simulated {out.sim_time_s:.1f} s ({out.num_iterations} iterations) in {out.wall_s:.1f} s",
+        err=True,
+    )
+    summary = summarize(out.records, out.iterations, kw["slo_ttft"], kw["slo_tbt"])
+    if out.pipeline is not None and out.pipeline.pp > 1:
+        summary["pipeline"] = out.pipeline.to_dict()
+    write_run(
+        run_dir,
+        summary,
+        out.records,
+        out.iterations,
+        workload=workload,
+        settings=sim_run_settings(config, info, out),
+        plots=kw["plots"],
+    )
+    return summary, out.records
+
+
+def _simulate_fleet(
+    requests: Sequence[WorkloadRequest],
+    config: EngineConfig,
+    latency: Any,
+    info: dict[str, Any],
+    kw: dict[str, Any],
+    run_dir: Path,
+    workload: dict[str, Any],
+) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """--dp N replicas behind the router: simulate, summarize, write the run."""
+    try:
+        out = simulate_fleet(
+            requests, config, latency, overhead_s=info["overhead_s"], progress=kw["progress"]
+        )
+    except ValueError as e:
+        raise click.ClickException(f"{config.scheduler.policy}: {e}") from None
+    click.echo(
+        f"simulated {out.sim_time_s:.1f} s ({out.num_iterations} iterations on "
+        f"{config.data_parallel_size} replicas) in {out.wall_s:.1f} s",
+        err=True,
+    )
+    summary = out.summary(kw["slo_ttft"], kw["slo_tbt"])
+    write_run(
+        run_dir, summary, out.records, [], workload=workload,
+        settings=sim_run_settings(config, info, out), plots=kw["plots"],
+    )  # fmt: skip
+    return summary, out.records

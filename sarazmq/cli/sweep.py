@@ -14,7 +14,7 @@ from sarazmq.cli.sim_options import (
     latency_line,
     latency_source_options,
     load_latency,
-    sim_geometry,
+    sim_config,
     sim_vocabulary,
 )
 from sarazmq.cli.sweep_backends import machine_probe, real_backend_of, run_dtype, sim_backend_of
@@ -192,7 +192,7 @@ def _model_config(model: str) -> Any:
     is_flag=True,
     help="run the simulator (with --profile, or --gpu and --arch) instead of deployments",
 )
-@latency_source_options(tp=False)
+@latency_source_options
 @click.option("--concurrency", type=int, default=None, help="at most this many in flight")
 @click.option("--request-timeout", type=float, default=None, help="per-request deadline (s)")
 @click.option("--progress/--no-progress", default=False, show_default=True)
@@ -241,7 +241,7 @@ def sweep(**kw: Any) -> None:
     mix = _mix(kw, vocab, tuple(avoid))
     seeds = tuple(kw["seed"] + i for i in range(kw["seeds"]))
     model_config = None if kw["arch"] else _model_config(kw["model"])
-    geometry = None
+    sim_base = None
     # every request of any share is its seed's short or long draw: shares 0 and 1 hold
     # the longest requests of the grid
     reps = [
@@ -251,8 +251,13 @@ def sweep(**kw: Any) -> None:
         for r in build_mixed_workload(mix, share=share, qps=1.0, seed=seed)
     ]
     if kw["simulate"]:
-        geometry = sim_geometry(kw, info or {}, reps)
-        max_model_len = geometry["max_model_len"]
+        if kw["data_parallel_size"] != 1:
+            raise click.BadParameter(
+                "a sweep simulates one replica (a fleet: `sarazmq simulate --dp`)",
+                param_hint="--dp",
+            )
+        sim_base = sim_config(kw, info or {}, reps)
+        max_model_len = sim_base.scheduler.max_model_len
     else:
         max_model_len = kw["max_model_len"] or model_config.max_position
     over = sum(1 for r in reps if r.input_tokens + r.output_tokens > max_model_len)
@@ -276,7 +281,7 @@ def sweep(**kw: Any) -> None:
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     if kw["simulate"]:
-        backend, settings = sim_backend_of(kw, latency, info or {}, geometry or {}, model_config)
+        backend, settings = sim_backend_of(kw, latency, info or {}, sim_base, model_config)
     else:
         backend, settings = real_backend_of(kw, engine_config(kw), model_config)
     caps = None

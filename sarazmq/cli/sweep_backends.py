@@ -3,13 +3,14 @@ with the cost model and machine limits MFU/MBU are measured against."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import click
 
 from sarazmq.cli.sim_options import GPU_ELEM_BYTES
-from sarazmq.config import DeploymentConfig
+from sarazmq.config import DeploymentConfig, EngineConfig
 from sarazmq.sweep.runner import Backend, SweepSettings
 
 
@@ -69,10 +70,10 @@ def sim_backend_of(
     kw: dict[str, Any],
     latency: Any,
     info: dict[str, Any],
-    geometry: dict[str, int],
+    config: EngineConfig,
     model_config: Any,
 ) -> tuple[Backend, SweepSettings]:
-    """The simulator; MFU/MBU against the GPU (--gpu, bf16 costs of --arch) or the
+    """The simulator of `config` (the resolved `sim_options.sim_config`); MFU/MBU against the GPU (--gpu, bf16 costs of --arch) or the
     profile's machine probe (costs of --model in --dtype)."""
     from sarazmq.perf.cost import ModelCost
     from sarazmq.sweep.backends import SimSetup, sim_backend
@@ -89,16 +90,10 @@ def sim_backend_of(
         machine = info.get("machine") if isinstance(info.get("machine"), dict) else {}
         peak, bandwidth = machine.get("gemm_flops"), machine.get("bandwidth_bytes_s")
     setup = SimSetup(
+        config=config,
         latency=latency,
-        max_num_seqs=kw["max_num_seqs"],
-        block_size=geometry["block_size"],
-        num_blocks=geometry["num_blocks"],
-        max_model_len=geometry["max_model_len"],
-        enable_prefix_caching=kw["enable_prefix_caching"],
-        seed=kw["seed"],
         overhead_s=info.get("overhead_s", 0.0),
         latency_info=info,
-        tbt_slo=kw["tbt_slo"],
     )
     keep = False if kw["keep_runs"] is None else kw["keep_runs"]
     settings = SweepSettings(
@@ -109,6 +104,15 @@ def sim_backend_of(
         bandwidth=bandwidth,
         keep_runs=keep,
         mode="simulate",
-        extra={"latency_model": info, "geometry": geometry},
+        extra={
+            "latency_model": info,
+            "engine": dataclasses.asdict(config),
+            # the pool and context the simulator derived (also inside "engine")
+            "geometry": {
+                "block_size": config.cache.block_size,
+                "num_blocks": config.cache.num_blocks,
+                "max_model_len": config.scheduler.max_model_len,
+            },
+        },
     )
     return sim_backend(setup), settings

@@ -6,3 +6,11 @@
 
 The process loop is `sarazmq.procs.detokenizer`.
 """
+
+from sarazmq.detokenizer.incremental import IncrementalDetokenizer
+from sarazmq.detokenizer.service import DetokenizerService
+
+__all__ = [
+    "DetokenizerService",
+    "IncrementalDetokenizer",
+]

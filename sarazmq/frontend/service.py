@@ -17,13 +17,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from sarazmq.config import DEFAULT_CLIENT_TIMEOUT_S
+from sarazmq.frontend.actions import (
+    GONE_UNREACHABLE,
+    REJECT_BAD_REQUEST,
+    REJECT_INVALID,
+    REJECT_UNDECODABLE,
+    ClientReply,
+    ClientState,
+    FrontendActions,
+)
+from sarazmq.frontend.fanout import Fanout, fan_out, split_part_id
 from sarazmq.frontend.prompts import PromptTokenizer
+from sarazmq.frontend.rejects import invalid_frame_reply
+from sarazmq.frontend.routes import Route, Routes, engine_id
 from sarazmq.protocol.client import (
     AbortRequest,
     ClientMessage,
@@ -33,7 +44,6 @@ from sarazmq.protocol.client import (
     Pong,
     ProtocolError,
     ResetPrefixCacheRequest,
-    ServerMessage,
     StatsReply,
     StatsRequest,
 )
@@ -51,53 +61,17 @@ from sarazmq.protocol.engine import (
     Drain,
     EngineDead,
     FrontendInbound,
+    InstanceDown,
+    InstanceLoad,
+    InstanceUp,
     NodesStatus,
     OutputBatch,
-    ResetPrefixCache,
-    SchedulerInbound,
     StatsAnswer,
-    StatsQuery,
 )
-from sarazmq.validation import InvalidRequestError, find_invalid_field
+from sarazmq.router import NoInstanceError, Router
+from sarazmq.validation import InvalidRequestError
 
 log = logging.getLogger("sarazmq.frontend")
-
-ClientReply = tuple[bytes, ServerMessage]
-
-# Kinds of rejected frames (the keys of Frontend.rejected; a fixed set, so bounded).
-REJECT_UNDECODABLE = "undecodable"  # not msgpack, truncated, too deeply nested
-REJECT_INVALID = "invalid"  # msgpack, but not a ClientMessage (wrong types, unknown kind)
-REJECT_MULTIPART = "multipart"  # a message of more than one frame
-REJECT_BAD_REQUEST = "bad_request"  # a well-formed GenerateRequest that fails validation
-
-# Why a client was treated as gone (the keys of Frontend.clients_gone).
-GONE_UNREACHABLE = "disconnected"  # a send to it failed: no such peer (EHOSTUNREACH)
-GONE_TIMEOUT = "no_pong"  # answered no heartbeat for client_timeout
-GONE_BACKLOG = "backlog_full"  # its queue of unsent messages is full (not reading)
-
-
-@dataclass
-class FrontendActions:
-    """What the process loop must send after handling one input."""
-
-    to_clients: list[ClientReply] = field(default_factory=list)
-    to_scheduler: list[SchedulerInbound] = field(default_factory=list)
-
-
-@dataclass
-class _Route:
-    """Where one engine request's outputs go."""
-
-    identity: bytes
-    client_rid: str
-    # attached to the first output, then dropped (the client needs them once)
-    prompt_token_ids: list[int] | None
-
-
-@dataclass
-class _ClientState:
-    last_pong: float
-    num_inflight: int = 0
 
 
 class FrontendService:
@@ -114,15 +88,19 @@ class FrontendService:
         *,
         client_timeout: float = DEFAULT_CLIENT_TIMEOUT_S,
         clock: Any = time.monotonic,
+        router: Router | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.client_timeout = client_timeout
         self.clock = clock
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
-        # engine request id -> where its outputs go
-        self.inflight: dict[str, _Route] = {}
-        self.pending_stats: dict[str, tuple[bytes, str]] = {}
-        self.clients: dict[bytes, _ClientState] = {}
+        # the requests in flight and where they run (`routes`)
+        self.routes = Routes(router)
+        self.router = self.routes.router
+        self.num_instances = self.routes.num_instances
+        # engine id of a client's stats/reset question -> its fan-out to the instances
+        self.pending_stats: dict[str, Fanout] = {}
+        self.clients: dict[bytes, ClientState] = {}
         self.dead_reason = ""
         # multi-node deployments: the latest NodesStatus (merged into stats replies)
         self.nodes: list[dict[str, Any]] = []
@@ -139,13 +117,20 @@ class FrontendService:
         self.clients_gone = Counter[str]()
         self.num_aborted_for_gone_clients = 0
 
-    @staticmethod
-    def engine_id(identity: bytes, client_rid: str) -> str:
-        return f"{identity.hex()}/{client_rid}"
+    engine_id = staticmethod(engine_id)
+
+    @property
+    def inflight(self) -> dict[str, Route]:
+        """Engine request id -> where its outputs go (`Routes.inflight`)."""
+        return self.routes.inflight
 
     def counters(self) -> dict[str, Any]:
-        """The frontend's own statistics (merged into every stats reply as "frontend")."""
-        return {
+        """The frontend's own statistics (merged into every stats reply as "frontend");
+        with several instances, the router's too ("router")."""
+        extra: dict[str, Any] = {}
+        if self.num_instances > 1:
+            extra = {"router": self.router.counters(), "num_rerouted": self.routes.num_rerouted}
+        return extra | {
             "num_frames": self.num_frames,
             "num_pongs": self.num_pongs,
             "num_accepted": self.num_accepted,
@@ -180,21 +165,34 @@ class FrontendService:
                 state.last_pong = self.clock()
         elif isinstance(msg, AbortRequest):
             eid = self.engine_id(identity, msg.request_id)
-            if eid in self.inflight:
-                acts.to_scheduler.append(Abort(request_id=eid))
+            current = self.routes.current_id(eid)
+            route = self.inflight.get(current)
+            if route is not None:
+                acts.send(route.instance, Abort(request_id=current))
         elif isinstance(msg, (StatsRequest, ResetPrefixCacheRequest)):
-            eid = self.engine_id(identity, msg.request_id)
-            if self.dead_reason:
-                stats = {"dead": self.dead_reason, "frontend": self.counters()}
-                acts.to_clients.append((identity, StatsReply(msg.request_id, stats)))
-            elif eid not in self.pending_stats:
-                self.pending_stats[eid] = (identity, msg.request_id)
-                acts.to_scheduler.append(
-                    StatsQuery(request_id=eid, iterations_from=msg.iterations_from)
-                    if isinstance(msg, StatsRequest)
-                    else ResetPrefixCache(request_id=eid)
-                )
+            self._on_stats(acts, identity, msg)
         return acts
+
+    def _on_stats(
+        self,
+        acts: FrontendActions,
+        identity: bytes,
+        msg: StatsRequest | ResetPrefixCacheRequest,
+    ) -> None:
+        """Asks every live instance (see `fanout`); answers at once when none is up."""
+        eid = self.engine_id(identity, msg.request_id)
+        live = self.routes.live_instances()
+        if self.dead_reason or not live:
+            reason = self.dead_reason or "no engine instance is up"
+            stats = {"dead": reason, "frontend": self.counters()}
+            acts.to_clients.append((identity, StatsReply(msg.request_id, stats)))
+            return
+        if eid in self.pending_stats:
+            return
+        fan, parts = fan_out(identity, msg, eid, live, self.num_instances)
+        self.pending_stats[eid] = fan
+        for i, part in parts:
+            acts.send(i, part)
 
     def reject_frame(self, identity: bytes, kind: str, error: str) -> FrontendActions:
         """A message the process loop refused before decoding (e.g. several frames)."""
@@ -214,38 +212,10 @@ class FrontendService:
     def _reject(
         self, acts: FrontendActions, identity: bytes, frame: bytes, kind: str, err: Exception
     ) -> None:
-        """Answers an undecodable frame: to its request id if one can be read, else generically.
-
-        A frame that is msgpack but not a valid `ClientMessage` is walked against the
-        expected type to name the offending field (`find_invalid_field`)."""
-        rid = None
-        invalid: InvalidRequestError | None = None
-        if kind == REJECT_INVALID:  # undecodable frames have no readable id by definition
-            try:
-                raw = msgspec.msgpack.decode(frame)
-            except Exception:  # noqa: BLE001 - any garbage is just "no id"
-                raw = None
-            if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
-                rid = raw["request_id"][:256]
-            if raw is not None:
-                invalid = find_invalid_field(raw, ClientMessage)
-        if invalid is not None:
-            where = f" ({invalid.field})" if invalid.field else ""
-            text = f"invalid request{where}: {invalid.message}"[:1000]
-        else:
-            text = f"invalid request: {type(err).__name__}: {err}"[:1000]
+        """Answers an undecodable frame (`invalid_frame_reply`) and counts it."""
+        reply, text = invalid_frame_reply(frame, kind, err)
         self._count_rejection(kind, text)
-        if rid is not None:
-            reply = OutputDelta(
-                request_id=rid,
-                finish_reason=FINISH_ERROR,
-                error=text,
-                error_field=invalid.field if invalid is not None else "",
-                error_type=ERROR_INVALID,
-            )
-            acts.to_clients.append((identity, reply))
-        else:
-            acts.to_clients.append((identity, ProtocolError(error=text)))
+        acts.to_clients.append((identity, reply))
 
     def _on_generate(self, acts: FrontendActions, identity: bytes, msg: GenerateRequest) -> None:
         eid = self.engine_id(identity, msg.request_id)
@@ -268,7 +238,7 @@ class FrontendService:
                 "engine is shutting down: not accepting new requests",
                 error_type=ERROR_OVERLOADED,
             )
-        if eid in self.inflight:
+        if self.routes.has(eid):
             return fail(f"request_id {msg.request_id!r} is already in flight", "request_id")
         given = [
             name
@@ -297,20 +267,20 @@ class FrontendService:
                 ids = self.tokenizer.check(msg.prompt_token_ids or [], "prompt_token_ids")
         except InvalidRequestError as e:
             return fail(e.message, e.field)
+        add = AddRequest(
+            request_id=eid, prompt_token_ids=ids, params=msg.params, arrival_time=self.clock()
+        )
+        try:
+            instance = self.routes.route(add)
+        except NoInstanceError as e:
+            return fail(f"engine is down: {e}", error_type=ERROR_ENGINE)
         self.num_accepted += 1
-        self.inflight[eid] = _Route(identity, msg.request_id, ids)
+        self.routes.add(add, identity, msg.request_id, instance)
         state = self.clients.get(identity)
         if state is None:
-            state = self.clients[identity] = _ClientState(last_pong=self.clock())
+            state = self.clients[identity] = ClientState(last_pong=self.clock())
         state.num_inflight += 1
-        acts.to_scheduler.append(
-            AddRequest(
-                request_id=eid,
-                prompt_token_ids=ids,
-                params=msg.params,
-                arrival_time=self.clock(),
-            )
-        )
+        acts.send(instance, add)
         return None
 
     def on_client_gone(self, identity: bytes, reason: str = GONE_UNREACHABLE) -> FrontendActions:
@@ -320,11 +290,11 @@ class FrontendService:
         n = 0
         for eid, route in list(self.inflight.items()):
             if route.identity == identity:
-                acts.to_scheduler.append(Abort(request_id=eid))
-                del self.inflight[eid]
+                acts.send(route.instance, Abort(request_id=eid))
+                self.routes.forget(eid, route)
                 n += 1
-        for eid, (ident, _) in list(self.pending_stats.items()):
-            if ident == identity:
+        for eid, fan in list(self.pending_stats.items()):
+            if fan.identity == identity:
                 del self.pending_stats[eid]
         if self.clients.pop(identity, None) is not None or n:
             self.clients_gone[reason] += 1
@@ -344,7 +314,7 @@ class FrontendService:
 
     # ---- from the engine -------------------------------------------------------------
 
-    def _release(self, route: _Route) -> None:
+    def _release(self, route: Route) -> None:
         state = self.clients.get(route.identity)
         if state is not None:
             state.num_inflight -= 1
@@ -354,51 +324,21 @@ class FrontendService:
     def on_engine_message(self, msg: FrontendInbound) -> FrontendActions:
         acts = FrontendActions()
         if isinstance(msg, OutputBatch):
-            for out in msg.outputs:
-                if out.finish_reason:
-                    route = self.inflight.pop(out.request_id, None)
-                    if route is not None:
-                        self._release(route)
-                        if self.draining:
-                            if out.finish_reason == FINISH_ABORT:
-                                self.drain_aborted += 1
-                            else:
-                                self.drain_finished += 1
-                else:
-                    route = self.inflight.get(out.request_id)
-                if route is None:
-                    continue  # client request already failed/aborted and forgotten
-                out.request_id = route.client_rid
-                if route.prompt_token_ids is not None:
-                    out.prompt_token_ids = route.prompt_token_ids
-                    route.prompt_token_ids = None
-                acts.to_clients.append((route.identity, out))
+            self._on_outputs(acts, msg)
         elif isinstance(msg, StatsAnswer):
-            route_s = self.pending_stats.pop(msg.request_id, None)
-            if route_s is not None:
-                stats = dict(msg.stats)
-                stats["frontend"] = self.counters()
-                if self.nodes:
-                    stats["nodes"] = self.nodes
-                acts.to_clients.append((route_s[0], StatsReply(route_s[1], stats)))
+            self._on_stats_answer(acts, msg)
+        elif isinstance(msg, InstanceLoad):
+            self.router.table.on_report(msg)
+        elif isinstance(msg, InstanceDown):
+            self._on_instance_down(acts, msg)
+        elif isinstance(msg, InstanceUp):
+            if 0 <= msg.instance < self.num_instances:
+                self.router.mark_up(msg.instance)
+                log.warning("instance %d is up again", msg.instance)
         elif isinstance(msg, NodesStatus):
             self.nodes = msg.nodes
         elif isinstance(msg, EngineDead):
-            self.dead_reason = msg.reason
-            err = f"engine failed: {msg.reason}"
-            for route in self.inflight.values():
-                reply = OutputDelta(
-                    request_id=route.client_rid,
-                    finish_reason=FINISH_ERROR,
-                    error=err,
-                    error_type=ERROR_ENGINE,
-                )
-                acts.to_clients.append((route.identity, reply))
-            self.inflight.clear()
-            self.clients.clear()
-            for identity, client_rid in self.pending_stats.values():
-                acts.to_clients.append((identity, StatsReply(client_rid, {"dead": msg.reason})))
-            self.pending_stats.clear()
+            self._on_engine_dead(acts, msg.reason)
         elif isinstance(msg, Drain):
             if not self.draining:
                 log.info(
@@ -410,13 +350,81 @@ class FrontendService:
             self.drain_deadline = self.clock() + msg.timeout
         return acts
 
+    def _on_outputs(self, acts: FrontendActions, msg: OutputBatch) -> None:
+        for out in msg.outputs:
+            if out.finish_reason:
+                route = self.inflight.get(out.request_id)
+                if route is not None:
+                    self.routes.forget(out.request_id, route)
+                    self._release(route)
+                    if self.draining:
+                        if out.finish_reason == FINISH_ABORT:
+                            self.drain_aborted += 1
+                        else:
+                            self.drain_finished += 1
+            else:
+                route = self.inflight.get(out.request_id)
+            if route is None:
+                continue  # client request already failed/aborted and forgotten
+            route.add = None  # it has streamed: no other instance may take it over now
+            out.request_id = route.client_rid
+            if route.prompt_token_ids is not None:
+                out.prompt_token_ids = route.prompt_token_ids
+                route.prompt_token_ids = None
+            acts.to_clients.append((route.identity, out))
+
+    def _on_stats_answer(self, acts: FrontendActions, msg: StatsAnswer) -> None:
+        parts = split_part_id(msg.request_id)
+        if parts is None:
+            return
+        eid, instance = parts
+        fan = self.pending_stats.get(eid)
+        if fan is not None and fan.answer(instance, dict(msg.stats)):
+            self._reply_stats(acts, eid, fan)
+
+    def _reply_stats(self, acts: FrontendActions, eid: str, fan: Fanout) -> None:
+        del self.pending_stats[eid]
+        stats = fan.merged()
+        if not fan.reset:
+            stats["frontend"] = self.counters()
+            if self.nodes:
+                stats["nodes"] = self.nodes
+        acts.to_clients.append((fan.identity, StatsReply(fan.client_rid, stats)))
+
+    def _on_instance_down(self, acts: FrontendActions, msg: InstanceDown) -> None:
+        """An instance died: its requests that have streamed nothing go to another live
+        instance under a new engine id; the others fail with the reason. Questions it
+        has not answered are answered without it."""
+        if not 0 <= msg.instance < self.num_instances:
+            return
+        log.error("instance %d is down: %s", msg.instance, msg.reason)
+        moved, failed = self.routes.instance_down(msg.instance)
+        for instance, add in moved:
+            acts.send(instance, add)
+        for route in failed:
+            self._release(route)
+            acts.to_clients.append((route.identity, _engine_error(route, msg.reason)))
+        for eid, fan in list(self.pending_stats.items()):
+            if msg.instance in fan.waiting and fan.give_up(msg.instance, msg.reason):
+                self._reply_stats(acts, eid, fan)
+
+    def _on_engine_dead(self, acts: FrontendActions, reason: str) -> None:
+        self.dead_reason = reason
+        for route in self.inflight.values():
+            acts.to_clients.append((route.identity, _engine_error(route, reason)))
+        self.routes.clear()
+        self.clients.clear()
+        for fan in self.pending_stats.values():
+            acts.to_clients.append((fan.identity, StatsReply(fan.client_rid, {"dead": reason})))
+        self.pending_stats.clear()
+
     # ---- time ------------------------------------------------------------------------
 
     def heartbeats(self) -> list[ClientReply]:
         """One heartbeat per client with requests in flight."""
         now = self.clock()
         idents = {route.identity for route in self.inflight.values()}
-        idents.update(ident for ident, _ in self.pending_stats.values())
+        idents.update(fan.identity for fan in self.pending_stats.values())
         return [(ident, Heartbeat(time=now)) for ident in idents]
 
     def drain_tick(self) -> FrontendActions:
@@ -424,11 +432,21 @@ class FrontendService:
         acts = FrontendActions()
         if self.draining and not self._drain_abort_sent and self.clock() >= self.drain_deadline:
             self._drain_abort_sent = True
-            for eid in self.inflight:
-                acts.to_scheduler.append(Abort(request_id=eid))
+            for eid, route in self.inflight.items():
+                acts.send(route.instance, Abort(request_id=eid))
         return acts
 
     @property
     def drained(self) -> bool:
         """Draining and nothing is in flight any more."""
         return self.draining and not self.inflight
+
+
+def _engine_error(route: Route, reason: str) -> OutputDelta:
+    """The final output of a request whose engine (or instance) failed."""
+    return OutputDelta(
+        request_id=route.client_rid,
+        finish_reason=FINISH_ERROR,
+        error=f"engine failed: {reason}",
+        error_type=ERROR_ENGINE,
+    )

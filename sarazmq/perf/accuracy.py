@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from sarazmq.scheduler.shape import IterationShape
+from sarazmq.scheduler import IterationShape
 
 
 @dataclass(frozen=True)

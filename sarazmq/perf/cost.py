@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from sarazmq.config import ModelConfig
 from sarazmq.perf.architectures import Architecture, get_architecture
-from sarazmq.perf.shape import IterationShape
+from sarazmq.scheduler import IterationShape
 
 
 @dataclass(frozen=True)

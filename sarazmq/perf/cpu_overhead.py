@@ -13,6 +13,8 @@ import csv
 import functools
 from collections.abc import Sequence
 
+from sarazmq.perf.profiles import profiles_root
+
 VIDUR_CPU = "a100/cpu_overheads.csv"
 #: the CPU-side parts of an iteration in cpu_overheads.csv (model_execution_e2e waits on
 #: the GPU, which the other terms model)
@@ -41,8 +43,6 @@ def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 def _cpu_rows() -> dict[int, list[tuple[float, float]]] | None:
     """{batch size: [(seconds of CPU_PARTS, seconds of CPU_PRE_PARTS), ...]} of Vidur's
     Llama-2-7B rows in cpu_overheads.csv, or None where the file is absent."""
-    from sarazmq.perf.gpu import profiles_root  # gpu imports this module
-
     path = profiles_root() / "data" / "profiling" / VIDUR_CPU
     if not path.is_file():
         return None

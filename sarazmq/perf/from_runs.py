@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from sarazmq.perf.linear import fit_latency_model, prediction_error
-from sarazmq.perf.shape import IterationShape
+from sarazmq.perf.accuracy import prediction_error
 from sarazmq.replay.report import ITERATIONS_CSV
+from sarazmq.scheduler import IterationShape, fit_latency_model
 
 #: gaps longer than this are idle time (no work), not per-iteration overhead
 MAX_OVERHEAD_GAP_S = 0.05

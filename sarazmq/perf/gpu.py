@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +35,10 @@ from sarazmq.perf.architectures import Architecture, Gpu, get_gpu
 from sarazmq.perf.cost import ModelCost, kv_read_tokens
 from sarazmq.perf.cpu_overhead import cpu_overhead_s, cpu_overhead_split_s
 from sarazmq.perf.cpu_overhead import interp as _interp
-from sarazmq.perf.linear import nnls
 from sarazmq.perf.pipeline import IterationParts
-from sarazmq.perf.shape import IterationShape
+from sarazmq.perf.profiles import profiles_root
+from sarazmq.scheduler import IterationShape, nnls
 
-#: where the Vidur copy lives (overridable for tests and other checkouts)
-PROFILES_ENV = "SARAZMQ_GPU_PROFILES"
 #: mlp.csv per (GPU, architecture); Meta-Llama-3-8B has Mistral-7B's layer shapes
 VIDUR_MLP = {
     ("a100-80gb", "llama-2-7b"): "compute/a100/meta-llama/Llama-2-7b-hf/mlp.csv",
@@ -81,14 +78,6 @@ PREFILL_ANCHORS = (
     (960, 0, 1, 0.244), (960, 512, 1, 0.297), (960, 1024, 1, 0.350), (960, 2048, 1, 0.471),
     (960, 3136, 1, 0.593), (992, 0, 1, 0.256), (3584, 0, 8, 0.379), (4096, 0, 8, 0.484),
 )  # fmt: skip
-
-
-def profiles_root() -> Path:
-    """The Vidur copy: $SARAZMQ_GPU_PROFILES or the checkout's ../shared/gpu_profiles/vidur."""
-    env = os.environ.get(PROFILES_ENV)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "gpu_profiles" / "vidur"
 
 
 def vidur_mlp_path(gpu: str, arch: str) -> Path | None:

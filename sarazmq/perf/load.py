@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from sarazmq.perf.architectures import get_architecture, get_gpu
 from sarazmq.perf.gpu import GpuProfileModel, RooflineModel, vidur_mlp_path
-from sarazmq.perf.linear import KIND, PiecewiseLinearModel
-from sarazmq.perf.model import LatencyModel
 from sarazmq.perf.pipeline import DEFAULT_PP_LINK_BANDWIDTH, PipelineLatency
-
-
-def read_profile(path: str) -> dict[str, Any]:
-    """A profile JSON (`sarazmq profile --output`), or a bare model dict; ValueError naming
-    --profile when it cannot be read or is not one."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--profile {path}: cannot read it ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--profile {path}: not a profile (a JSON object)")
-    return data
+from sarazmq.scheduler import KIND, LatencyModel, profile_model
 
 
 def load_latency_model(
@@ -53,14 +38,7 @@ def load_latency_model(
             raise ValueError("--tp applies to --gpu/--arch; a --profile was measured as it ran")
         if pp != 1:
             raise ValueError("--pp applies to --gpu/--arch; a --profile was measured as it ran")
-        data = read_profile(profile)
-        model_dict = data.get("model", data)
-        if not isinstance(model_dict, dict) or model_dict.get("kind") != KIND:
-            raise ValueError(f"--profile {profile}: no {KIND} model in it")
-        try:
-            model = PiecewiseLinearModel.from_dict(model_dict)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"--profile {profile}: {e}") from None
+        model, data = profile_model(profile)
         info = {
             "source": "profile",
             "path": profile,

@@ -26,8 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from sarazmq.perf.model import LatencyModel
-from sarazmq.perf.shape import IterationShape
+from sarazmq.scheduler import IterationShape, LatencyModel
 
 #: bytes/s between consecutive stages by default: a 200 Gb/s InfiniBand HDR port per GPU
 DEFAULT_PP_LINK_BANDWIDTH = 25e9

@@ -21,13 +21,13 @@ import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
 from sarazmq.model.kv_cache import kv_cache_bytes_per_block
-from sarazmq.perf.linear import ErrorReport, PiecewiseLinearModel, fit_latency_model
-from sarazmq.perf.linear import prediction_error as error_of
+from sarazmq.perf.accuracy import ErrorReport
+from sarazmq.perf.accuracy import prediction_error as error_of
 from sarazmq.perf.machine import MachineProbe, probe_machine
-from sarazmq.perf.shape import IterationShape
 from sarazmq.perf.shapes_runner import ShapesRunner
 from sarazmq.resolve import resolve_engine_config
-from sarazmq.worker.build import build_model_runner
+from sarazmq.scheduler import IterationShape, PiecewiseLinearModel, fit_latency_model
+from sarazmq.worker import build_model_runner
 
 #: the KV pool the profile allocates when the options leave it to memory (the grid's largest
 #: decode batches need more; `ShapesRunner` then hands blocks out again)

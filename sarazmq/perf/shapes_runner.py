@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from sarazmq.perf.machine import time_once
-from sarazmq.perf.shape import IterationShape, shape_of
 from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.worker.model_runner import ModelRunner
+from sarazmq.scheduler import IterationShape, shape_of
+from sarazmq.worker import ModelRunner
 
 
 class ShapesRunner:

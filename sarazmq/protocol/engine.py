@@ -131,4 +131,47 @@ class NodesStatus(msgspec.Struct, tag="nodes", array_like=True):
     nodes: list[dict[str, Any]]
 
 
-FrontendInbound = OutputBatch | StatsAnswer | EngineDead | Drain | NodesStatus
+class InstanceLoad(msgspec.Struct, tag="load", array_like=True):
+    """From an instance's scheduler to the frontend's router, after its iterations (at most
+    every `LOAD_REPORT_INTERVAL_S`) and when asked: how loaded it is now.
+
+    num_added: AddRequests it has received so far (the router counts the ones it sent
+        since, which this report does not include yet).
+    queued_prefill_tokens: prompt tokens waiting to be computed (waiting requests and
+        running ones whose prefill is not done).
+    kv_used_blocks / kv_total_blocks: its KV pool (cached prefix blocks count as free).
+    """
+
+    instance: int
+    num_added: int
+    num_waiting: int
+    num_running: int
+    queued_prefill_tokens: int
+    kv_used_blocks: int
+    kv_total_blocks: int
+
+
+class InstanceDown(msgspec.Struct, tag="instance_down", array_like=True):
+    """From the launcher: an instance's process died; its requests that have streamed no
+    token go to another instance, the others fail with `reason`."""
+
+    instance: int
+    reason: str
+
+
+class InstanceUp(msgspec.Struct, tag="instance_up", array_like=True):
+    """From the launcher: an instance (re)started and is ready; it rejoins the rotation."""
+
+    instance: int
+
+
+FrontendInbound = (
+    OutputBatch
+    | StatsAnswer
+    | EngineDead
+    | Drain
+    | NodesStatus
+    | InstanceLoad
+    | InstanceDown
+    | InstanceUp
+)

@@ -11,7 +11,7 @@ import numpy as np
 
 from sarazmq.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from sarazmq.replay.workload import WorkloadRequest, WorkloadSpec, fit_lengths
-from sarazmq.scheduler.prefix_cache import ROOT_KEY, sha256_block_key
+from sarazmq.scheduler import ROOT_KEY, sha256_block_key
 
 
 def _length_stats(

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,8 +128,22 @@ async def _one_request(
     )
 
 
-def _iteration_samples(raw: Sequence[dict[str, Any]], step_from: int) -> list[IterationSample]:
-    return [IterationSample.from_record(it) for it in raw if int(it["step"]) >= step_from]
+def _steps_from(stats: Mapping[str, Any]) -> dict[int, int]:
+    """Per engine instance, the first step after the ones `stats` counts (several
+    data-parallel replicas number their steps each on its own)."""
+    replicas = stats.get("replicas") or [{"instance": 0, **stats}]
+    return {int(r["instance"]): int(r.get("num_iterations", 0)) + 1 for r in replicas}
+
+
+def _iteration_samples(
+    raw: Sequence[dict[str, Any]], steps_from: Mapping[int, int]
+) -> list[IterationSample]:
+    """The iteration records of the run: each instance's from its own first step."""
+    return [
+        IterationSample.from_record(it)
+        for it in raw
+        if int(it["step"]) >= steps_from.get(int(it.get("instance", 0)), 0)
+    ]
 
 
 def warmup_prompt(first: WorkloadRequest) -> list[int]:
@@ -238,7 +252,7 @@ async def replay_detailed(
         stats0 = await client.stats()
         # records of steps already completed are not ours; a step in flight now is
         # (its requests are the previous user's, but it overlaps our run)
-        step_from = int(stats0.get("num_iterations", 0)) + 1
+        steps_from = _steps_from(stats0)
 
         async def send_one(req: WorkloadRequest, prompt: list[int]) -> RequestRecord:
             params = _sampling_params(req, temperature, seed)
@@ -251,9 +265,9 @@ async def replay_detailed(
             concurrency_limit=concurrency_limit,
             description=description,
         )
-        stats1 = await client.stats(iterations_from=step_from)
+        stats1 = await client.stats(iterations_from=min(steps_from.values()))
         wall = time.monotonic() - start
-    iterations = _iteration_samples(stats1.get("iterations", []), step_from)
+    iterations = _iteration_samples(stats1.get("iterations", []), steps_from)
     settings = {
         "endpoint": endpoint,
         "server_stats_at_start": {k: v for k, v in stats0.items() if k != "iterations"},

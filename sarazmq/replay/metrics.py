@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from sarazmq.perf.shape import IterationShape, shape_of_fields
+from sarazmq.scheduler import IterationShape, shape_of_fields
 
 PERCENTILES = (50, 90, 99)
 

@@ -27,12 +27,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sarazmq.config import SchedulerConfig
-from sarazmq.perf.online import OnlineLatencyModel
-from sarazmq.perf.shape import IterationShape, chunk_attention_pairs
 from sarazmq.sampling_params import SamplingParams
+from sarazmq.scheduler.latency import profile_model
 from sarazmq.scheduler.request import Request
+from sarazmq.scheduler.shape import IterationShape, chunk_attention_pairs
+
+if TYPE_CHECKING:
+    # numpy comes with it: loaded only when a TBT target builds a budget
+    from sarazmq.scheduler.online import OnlineLatencyModel
 
 #: Chunk candidates are multiples of this (the GEMM / attention kernels' row tile).
 TILE_TOKENS = 16
@@ -194,12 +199,12 @@ def build_adaptive_budget(
     seeds the model and skips the calibration; a bad profile is a ValueError naming it."""
     if not config.tbt_slo:
         return None
+    from sarazmq.scheduler.online import OnlineLatencyModel
+
     prior = None
     if config.latency_profile:
-        from sarazmq.perf import load_latency_model
-
         try:
-            prior, _ = load_latency_model(config.latency_profile, None, None)
+            prior, _ = profile_model(config.latency_profile)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"latency_profile {config.latency_profile!r}: {e}") from None
     return AdaptiveBudget(

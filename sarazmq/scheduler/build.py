@@ -5,21 +5,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from sarazmq.config import EngineConfig, ModelConfig, SchedulerConfig
+from sarazmq.config import EngineConfig, SchedulerConfig
 from sarazmq.scheduler.scheduler import Scheduler
 
 
 def build_scheduler(
     config: EngineConfig,
-    model_config: ModelConfig,
+    eos_token_ids: tuple[int, ...] = (),
     clock: Callable[[], float] = time.monotonic,
     *,
     num_blocks: int | None = None,
     scheduler_config: SchedulerConfig | None = None,
 ) -> Scheduler:
     """The scheduler of a resolved engine config: the one way to build it, for the
-    in-process engine and the scheduler process alike.
+    in-process engine, the scheduler process and the simulator alike.
 
+    eos_token_ids: the model's end-of-sequence ids (the simulator has none: its requests
+    run to their length); clock: the scheduler's time (the simulator's `SimClock`);
     num_blocks: use only this many of the config's KV blocks (default: all of them);
     scheduler_config: another policy/budget than `config.scheduler` (its max_model_len
     is the config's).
@@ -30,7 +32,7 @@ def build_scheduler(
         block_size=config.cache.block_size,
         num_blocks=config.cache.num_blocks if num_blocks is None else num_blocks,
         max_model_len=config.scheduler.max_model_len,
-        eos_token_ids=model_config.eos_token_ids,
+        eos_token_ids=eos_token_ids,
         clock=clock,
         seed=config.seed,
         enable_prefix_caching=config.cache.enable_prefix_caching,

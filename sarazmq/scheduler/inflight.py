@@ -20,11 +20,11 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sarazmq.perf.shape import IterationShape, shape_of_plan
 from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq, StepResult
 from sarazmq.scheduler.policies import BatchDecision
 from sarazmq.scheduler.prefix_cache import PrefixCacheCounters
 from sarazmq.scheduler.request import Request
+from sarazmq.scheduler.shape import IterationShape, shape_of_plan
 from sarazmq.scheduler.stats import IterationRecord
 
 

@@ -122,5 +122,3 @@ def fit_latency_model(
     if best is None:
         raise ValueError("knees is empty")
     return best[1]
-
-

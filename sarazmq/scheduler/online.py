@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sarazmq.perf.linear import COEFFICIENTS, fit_latency_model
-from sarazmq.perf.model import LatencyModel
-from sarazmq.perf.shape import IterationShape
+from sarazmq.scheduler.latency import COEFFICIENTS, LatencyModel
+from sarazmq.scheduler.latency_fit import fit_latency_model
+from sarazmq.scheduler.shape import IterationShape
 
 OUTLIER_MADS = 6.0
 #: Bounds of the error margin: at least the prediction itself, at most 3x it.

@@ -33,13 +33,12 @@ from collections import deque
 from collections.abc import Callable
 
 from sarazmq.config import SchedulerConfig
-from sarazmq.perf.shape import IterationShape
 from sarazmq.protocol.common import (
     FINISH_ABORT,
     FINISH_STOP,
     FinishReason,
 )
-from sarazmq.protocol.engine import RequestDelta
+from sarazmq.protocol.engine import InstanceLoad, RequestDelta
 from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.adaptive import (
@@ -54,6 +53,7 @@ from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_poli
 from sarazmq.scheduler.prefix_cache import BlockHashFn, PrefixCacheCounters, sha256_block_key
 from sarazmq.scheduler.request import Request, RequestStatus
 from sarazmq.scheduler.results import apply_result, finish_token_ids, request_delta
+from sarazmq.scheduler.shape import IterationShape
 from sarazmq.scheduler.stats import (
     MAX_ITERATION_RECORDS,
     IterationRecord,
@@ -237,6 +237,32 @@ class Scheduler:
     def inflight_shape(self) -> IterationShape:
         """The shape of the newest plan scheduled (in flight, or its result is in)."""
         return self._last_shape
+
+    @property
+    def num_iterations(self) -> int:
+        """Iterations whose result has been processed."""
+        return self._num_iterations
+
+    def load(self, instance: int, num_added: int) -> InstanceLoad:
+        """This scheduler's load for a router (`sarazmq.router`): prefill tokens queued
+        (waiting requests and running ones still in their prefill), running requests and
+        KV use. instance / num_added: its index in the deployment and the AddRequests it
+        has received (the caller counts them: rejected ones too)."""
+        queued = 0
+        for req in self.waiting:
+            queued += req.num_uncomputed_tokens
+        for req in self.running:
+            if req.is_prefill:
+                queued += req.num_uncomputed_tokens
+        return InstanceLoad(
+            instance=instance,
+            num_added=num_added,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            queued_prefill_tokens=queued,
+            kv_used_blocks=self.blocks.num_used_blocks,
+            kv_total_blocks=self.blocks.num_total_blocks,
+        )
 
     def stats(self) -> SchedulerStats:
         pc = self.prefix_cache

@@ -21,6 +21,7 @@ from sarazmq.protocol.engine import (
     AddRequest,
     DeltaBatch,
     DetokenizerAdd,
+    InstanceLoad,
     OutputBatch,
     RequestDelta,
     ResetPrefixCache,
@@ -66,9 +67,13 @@ class SchedulerActions:
 class SchedulerService:
     """Everything the scheduler process decides, without its sockets."""
 
-    def __init__(self, scheduler: Scheduler, num_detokenizers: int) -> None:
+    def __init__(self, scheduler: Scheduler, num_detokenizers: int, instance: int = 0) -> None:
         self.scheduler = scheduler
         self.num_detokenizers = num_detokenizers
+        # this scheduler's engine instance, and the AddRequests it received (refused ones
+        # too): what its load reports tell the frontend's router
+        self.instance = instance
+        self.num_added = 0
         # plans sent and not answered yet, oldest first (at most scheduler.max_inflight)
         self.in_flight: deque[BatchPlan] = deque()
         # control messages that arrive while a plan is in flight wait for the next result
@@ -87,8 +92,13 @@ class SchedulerService:
             return
         self._apply(msg, acts)
 
+    def load(self) -> InstanceLoad:
+        """This instance's load, for the frontend's router."""
+        return self.scheduler.load(self.instance, self.num_added)
+
     def _apply(self, msg: SchedulerInbound, acts: SchedulerActions) -> None:
         if isinstance(msg, AddRequest):
+            self.num_added += 1
             max_waiting = self.scheduler.config.max_waiting
             if max_waiting and len(self.scheduler.waiting) >= max_waiting:
                 reply = OutputDelta(

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from sarazmq.perf.shape import IterationShape, shape_of_fields
+from sarazmq.scheduler.shape import IterationShape, shape_of_fields
 
 MAX_ITERATION_RECORDS = 200_000
 

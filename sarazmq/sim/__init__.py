@@ -6,23 +6,21 @@
   `RequestRecord`s and `IterationSample`s (so `summarize` / `write_run` apply), the
   simulated end time `sim_time_s`, the real `wall_s` and `num_iterations`.
   `ReplayLatency(durations)`: a latency model returning given durations in order.
-- `run.simulate_workload(requests, sched_kw: Mapping, latency, *, block_size: int,
-  num_blocks: int, max_model_len: int, seed: int, overhead_s: float = 0.0,
-  progress: bool = False) -> SimOutcome`: builds the scheduler from flat options and
-  runs `simulate`. sched_kw keys: "scheduler" (policy name; or "policy"), "chunk_size",
-  "max_num_seqs", "watermark", "enable_prefix_caching", "tbt_slo", "latency_profile"
-  (engine defaults when missing; other keys are ignored, so a command's option dict can
-  be passed as is).
+- `run.sim_engine_config(options, *, num_blocks, max_model_len) -> EngineConfig`: the
+  engine's own options (`sarazmq.options.EngineOptions`) resolved with the KV pool and
+  context the simulator derived; `run.build_sim_scheduler(config)`: its real `Scheduler`
+  (`build_scheduler`, on a `SimClock`); `run.simulate_workload(requests, config, latency,
+  *, overhead_s=0.0, progress=False) -> SimOutcome`: builds it and runs `simulate`.
 
 Pipeline parallelism: given a `perf.pipeline.PipelineLatency` of pp > 1 stages, `simulate`
 runs `pipeline.simulate_pipeline` (up to pp plans in flight, per-stage busy intervals in
 `SimOutcome.stage_spans`, the bubble fraction in `SimOutcome.pipeline`);
-`simulate_workload` then builds the scheduler with `max_inflight=pp`.
+the config's pipeline_parallel_size gives the scheduler pp plans in flight.
 
 The command-line side (latency source, KV pool size) is `sarazmq.cli.sim_options`.
 """
 
-from sarazmq.sim.run import build_sim_scheduler, simulate_workload
+from sarazmq.sim.run import build_sim_scheduler, sim_engine_config, simulate_workload
 from sarazmq.sim.simulator import ReplayLatency, SimClock, SimOutcome, simulate
 
 __all__ = [
@@ -30,6 +28,7 @@ __all__ = [
     "SimClock",
     "SimOutcome",
     "build_sim_scheduler",
+    "sim_engine_config",
     "simulate",
     "simulate_workload",
 ]

@@ -14,9 +14,7 @@ from sarazmq.protocol.engine import RequestDelta
 from sarazmq.replay.metrics import IterationSample, RequestRecord
 from sarazmq.replay.workload import WorkloadRequest
 from sarazmq.sampling_params import SamplingParams
-from sarazmq.scheduler.request import Request
-from sarazmq.scheduler.scheduler import Scheduler
-from sarazmq.scheduler.stats import IterationRecord
+from sarazmq.scheduler import IterationRecord, Request, Scheduler
 from sarazmq.validation import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -130,16 +128,17 @@ def admit(
     scheduler: Scheduler,
     wr: WorkloadRequest,
     index: int,
-    prompts: StandinPrompts,
+    prompt_ids: list[int],
     arrival: float,
     live: dict[str, tuple[int, Request]],
 ) -> RequestRecord | None:
-    """Adds an arrived request to the scheduler (and to `live`); the error record of a
-    request the scheduler refuses, else None."""
+    """Adds an arrived request (workload index `index`, its prompt `prompt_ids`: see
+    `StandinPrompts`) to the scheduler and to `live`; the error record of a request the
+    scheduler refuses, else None."""
     try:
         scheduler.add_request(
             wr.request_id,
-            prompts(index, wr),
+            prompt_ids,
             SamplingParams(max_tokens=wr.output_tokens, ignore_eos=True, temperature=0.0),
             arrival_time=arrival,
         )

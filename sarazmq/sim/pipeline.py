@@ -36,9 +36,7 @@ from sarazmq.perf.pipeline import PipelineLatency
 from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.replay.metrics import IterationSample, RequestRecord
 from sarazmq.replay.workload import WorkloadRequest
-from sarazmq.scheduler.request import Request
-from sarazmq.scheduler.scheduler import Scheduler
-from sarazmq.scheduler.stats import active_seconds, bubble_fraction_of
+from sarazmq.scheduler import Request, Scheduler, active_seconds, bubble_fraction_of
 from sarazmq.sim.common import (
     DUMMY_TOKEN,
     SimClock,
@@ -193,7 +191,8 @@ def simulate_pipeline(
         while True:
             now = clock.now
             while nxt < n and arrivals[nxt] <= now:
-                error = admit(scheduler, requests[nxt], nxt, prompts, arrivals[nxt], live)
+                wr = requests[nxt]
+                error = admit(scheduler, wr, nxt, prompts(nxt, wr), arrivals[nxt], live)
                 if error is not None:
                     records[nxt] = error
                     done += 1

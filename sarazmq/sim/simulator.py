@@ -31,14 +31,11 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from sarazmq.perf.model import LatencyModel
 from sarazmq.perf.pipeline import PipelineLatency
-from sarazmq.perf.shape import IterationShape
 from sarazmq.protocol.worker import StepResult
 from sarazmq.replay.metrics import IterationSample, RequestRecord
 from sarazmq.replay.workload import WorkloadRequest
-from sarazmq.scheduler.request import Request
-from sarazmq.scheduler.scheduler import Scheduler
+from sarazmq.scheduler import IterationShape, LatencyModel, Request, Scheduler
 from sarazmq.sim.common import (
     DUMMY_TOKEN,
     SimClock,
@@ -146,7 +143,8 @@ def simulate(
         while True:
             now = clock.now
             while nxt < n and arrivals[nxt] <= now:
-                error = admit(scheduler, requests[nxt], nxt, prompts, arrivals[nxt], live)
+                wr = requests[nxt]
+                error = admit(scheduler, wr, nxt, prompts(nxt, wr), arrivals[nxt], live)
                 if error is not None:
                     records[nxt] = error
                     done += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from sarazmq.client import AsyncClient
@@ -103,13 +103,7 @@ def real_backend(
 
     @contextlib.contextmanager
     def open_engine(policy: str, chunk: int) -> Iterator[Engine]:
-        # a TBT target (--tbt-slo) adapts the sarathi chunk; the other policies have none
-        tbt = base.scheduler.tbt_slo if policy == "sarathi" else 0.0
-        profile = base.scheduler.latency_profile if tbt else ""
-        sched = replace(
-            base.scheduler, policy=policy, chunk_size=chunk, tbt_slo=tbt, latency_profile=profile
-        )
-        config = replace(base, scheduler=sched)
+        config = base.with_policy(policy, chunk)
         with target(None, config, deployment) as (endpoint, engine):
             on_ready(f"deployment {policy} chunk {chunk} ready")
             yield _DeploymentEngine(
@@ -121,64 +115,33 @@ def real_backend(
 
 @dataclass(frozen=True)
 class SimSetup:
-    """The simulated engine: the latency model (and where it came from), scheduler
-    limits, KV pool geometry, seed and a fixed per-iteration overhead."""
+    """The simulated engine: its resolved config (`sim.run.sim_engine_config`; each point
+    runs it under the point's policy and chunk), the latency model and where it came
+    from, and a fixed per-iteration overhead."""
 
-    latency: Any  # a sarazmq.perf.model.LatencyModel
-    max_num_seqs: int
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    enable_prefix_caching: bool = False
-    seed: int = 0
+    config: EngineConfig
+    latency: Any  # a sarazmq.scheduler.LatencyModel
     overhead_s: float = 0.0
     latency_info: Mapping[str, Any] = field(default_factory=dict)
-    tbt_slo: float = 0.0  # the sarathi points' TBT target (--tbt-slo; 0 = fixed chunk)
 
 
 class _SimEngine:
     def __init__(self, setup: SimSetup, policy: str, chunk: int) -> None:
         self.setup = setup
-        self.sched_kw = {
-            "policy": policy,
-            "chunk_size": chunk,
-            "max_num_seqs": setup.max_num_seqs,
-            "enable_prefix_caching": setup.enable_prefix_caching,
-            "tbt_slo": setup.tbt_slo if policy == "sarathi" else 0.0,
-        }
+        self.config = setup.config.with_policy(policy, chunk)
 
     def run(
         self, requests: Sequence[WorkloadRequest], description: str, *, warmup: bool
     ) -> EngineRun:
         del description, warmup  # nothing to warm in simulated time
-        from sarazmq.sim.run import simulate_workload
+        from sarazmq.sim.run import sim_run_settings, simulate_workload
 
         s = self.setup
         # a fresh scheduler per workload: points share no KV or prefix-cache state
-        out = simulate_workload(
-            requests,
-            self.sched_kw,
-            s.latency,
-            block_size=s.block_size,
-            num_blocks=s.num_blocks,
-            max_model_len=s.max_model_len,
-            seed=s.seed,
-            overhead_s=s.overhead_s,
+        out = simulate_workload(requests, self.config, s.latency, overhead_s=s.overhead_s)
+        return EngineRun(
+            out.records, out.iterations, sim_run_settings(self.config, s.latency_info, out)
         )
-        settings = {
-            "simulated": True,
-            "latency_model": dict(s.latency_info),
-            "engine": {
-                **self.sched_kw,
-                "block_size": s.block_size,
-                "num_blocks": s.num_blocks,
-                "max_model_len": s.max_model_len,
-                "seed": s.seed,
-            },
-            "sim_wall_s": out.wall_s,
-            "sim_time_s": out.sim_time_s,
-        }
-        return EngineRun(out.records, out.iterations, settings)
 
 
 def sim_backend(setup: SimSetup) -> Backend:

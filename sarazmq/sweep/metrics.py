@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sarazmq.perf.shape import IterationShape
 from sarazmq.replay.metrics import IterationSample, RequestRecord, request_metrics, summarize
+from sarazmq.scheduler import IterationShape
 
 #: A TBT gap longer than this many times the point's median TBT is a stall.
 STALL_FACTOR = 2.0

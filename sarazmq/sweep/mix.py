@@ -26,7 +26,8 @@ from sarazmq.replay.distributions import gamma_arrivals
 from sarazmq.replay.traces import load_trace
 from sarazmq.replay.workload import PromptSource, WorkloadRequest, WorkloadSpec, fit_lengths
 
-_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+#: the two traces ship in the package (sarazmq/replay/data, provenance in its README)
+_TRACES = Path(__file__).resolve().parents[1] / "replay" / "data"
 DEFAULT_SHORT_TRACE = _TRACES / "azure_llm_2023_conv.csv"
 DEFAULT_LONG_TRACE = _TRACES / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
 

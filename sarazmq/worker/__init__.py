@@ -8,3 +8,19 @@
 
 The process loop is `sarazmq.procs.worker`.
 """
+
+from sarazmq.worker.build import build_model_runner
+from sarazmq.worker.inprocess import InProcessPipeline, build_in_process_pipeline
+from sarazmq.worker.model_runner import ModelRunner
+from sarazmq.worker.pipeline import DistLink, Placement
+from sarazmq.worker.service import WorkerService
+
+__all__ = [
+    "DistLink",
+    "InProcessPipeline",
+    "ModelRunner",
+    "Placement",
+    "WorkerService",
+    "build_in_process_pipeline",
+    "build_model_runner",
+]

@@ -83,8 +83,8 @@ class Sampler:
         if all(self._is_plain_greedy(s) for s in seqs):
             # fast path: nothing modifies the logits, one batched argmax: the C kernel on
             # CPU float32 logits, else max(dim), which gives the same indices (first maximum
-            # on ties, as documented) and is the faster torch op on CPU (docs/PERF_RESULT.md,
-            # "Sampling")
+            # on ties, as documented) and is the faster torch op on CPU (docs/PERF_LOG.md,
+            # "Second round" and "Eighth round")
             greedy = argmax_rows(logits)
             if greedy is None:
                 greedy = logits.max(dim=-1).indices.tolist()

@@ -12,7 +12,7 @@ from sarazmq import LLM
 from sarazmq.kernels.decode_step import FUSED_MAX_ROWS_BLOCKS
 from sarazmq.kernels.linear_weight import LinearWeight
 from sarazmq.perf.cost import ModelCost as IterationCost
-from sarazmq.perf.shape import IterationShape, chunk_attention_pairs
+from sarazmq.scheduler import IterationShape, chunk_attention_pairs
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,45 @@
+"""The reply to a client frame that is not a valid `ClientMessage`."""
+
+from __future__ import annotations
+
+import msgspec
+
+from sarazmq.frontend.actions import REJECT_INVALID
+from sarazmq.protocol.client import ClientMessage, OutputDelta, ProtocolError
+from sarazmq.protocol.common import ERROR_INVALID, FINISH_ERROR
+from sarazmq.validation import InvalidRequestError, find_invalid_field
+
+
+def invalid_frame_reply(
+    frame: bytes, kind: str, err: Exception
+) -> tuple[OutputDelta | ProtocolError, str]:
+    """(reply, text) for an undecodable frame: an error to its request id if one can be
+    read, else a `ProtocolError`. A frame that is msgpack but not a valid `ClientMessage`
+    (kind REJECT_INVALID) is walked against the expected type to name the offending field
+    (`find_invalid_field`)."""
+    rid = None
+    invalid: InvalidRequestError | None = None
+    if kind == REJECT_INVALID:  # undecodable frames have no readable id by definition
+        try:
+            raw = msgspec.msgpack.decode(frame)
+        except Exception:  # noqa: BLE001 - any garbage is just "no id"
+            raw = None
+        if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+            rid = raw["request_id"][:256]
+        if raw is not None:
+            invalid = find_invalid_field(raw, ClientMessage)
+    if invalid is not None:
+        where = f" ({invalid.field})" if invalid.field else ""
+        text = f"invalid request{where}: {invalid.message}"[:1000]
+    else:
+        text = f"invalid request: {type(err).__name__}: {err}"[:1000]
+    if rid is None:
+        return ProtocolError(error=text), text
+    reply = OutputDelta(
+        request_id=rid,
+        finish_reason=FINISH_ERROR,
+        error=text,
+        error_field=invalid.field if invalid is not None else "",
+        error_type=ERROR_INVALID,
+    )
+    return reply, text
