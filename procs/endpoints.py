@@ -84,9 +84,25 @@ def dist_init_method(dep: DeploymentConfig) -> str:
     return f"tcp://{host_port(dep.master_addr, dep.master_port)}"
 
 
+def node_instances(num_instances: int, nnodes: int, node_rank: int) -> range:
+    """The data-parallel replicas node `node_rank` runs whole: an even, contiguous block."""
+    if num_instances % nnodes != 0:
+        raise ValueError(
+            f"--nnodes {nnodes} does not divide --dp {num_instances}: with data-parallel "
+            "replicas every node runs the same number of whole replicas"
+        )
+    per_node = num_instances // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
 def check_multinode(config: EngineConfig, dep: DeploymentConfig) -> range:
-    """Validates a multi-node deployment's settings; returns this node's worker ranks."""
-    ranks = node_ranks(world_size(config), dep.nnodes, dep.node_rank)
+    """Validates a multi-node deployment's settings; returns this node's worker ranks
+    (with data-parallel replicas, every rank of each replica the node runs whole)."""
+    if config.data_parallel_size > 1:
+        node_instances(config.data_parallel_size, dep.nnodes, dep.node_rank)
+        ranks = range(world_size(config))
+    else:
+        ranks = node_ranks(world_size(config), dep.nnodes, dep.node_rank)
     if dep.nnodes > 1:
         try:
             check_public_endpoint(link_endpoint(dep), dep.curve)

@@ -40,6 +40,7 @@ from sarazmq.procs.endpoints import (
     link_endpoint,
     make_endpoints,
     make_instance_endpoints,
+    node_instances,
     remove_ipc_files,
     world_size,
 )
@@ -92,11 +93,13 @@ class Deployment:
         # the head's workers (all of them on a single node)
         self.local_ranks = check_multinode(self.config, self.deployment)
         self.num_instances = self.config.data_parallel_size
-        if self.num_instances > 1 and self.multinode:
-            raise ValueError(
-                "--dp > 1 runs every replica on this node: --nnodes > 1 with --dp is not "
-                "supported yet (run one deployment per node)"
-            )
+        # the replicas this node runs: all of them, or with several nodes the head's share
+        # (each node runs whole replicas: `procs/replicalink.py`)
+        self.local_instances = (
+            node_instances(self.num_instances, self.deployment.nnodes, 0)
+            if self.multinode and self.num_instances > 1
+            else range(self.num_instances)
+        )
         # per instance: restarts so far (data-parallel replicas restart one at a time)
         self.instance_restarts = [0] * self.num_instances
         self.down_instances: set[int] = set()
@@ -123,6 +126,11 @@ class Deployment:
     def multinode(self) -> bool:
         return self.deployment.nnodes > 1
 
+    @property
+    def replicas(self) -> bool:
+        """Data-parallel replicas (each a whole instance; several nodes run whole ones)."""
+        return self.num_instances > 1
+
     def _make_endpoints(self) -> Endpoints:
         dep = self.deployment
         return make_endpoints(
@@ -130,7 +138,8 @@ class Deployment:
             dep.endpoint,
             world_size(self.config),
             dep.num_detokenizers,
-            dist_init=dist_init_method(dep) if self.multinode else None,
+            # several nodes without replicas share one rendezvous; replicas have their own
+            dist_init=dist_init_method(dep) if self.multinode and not self.replicas else None,
             link=link_endpoint(dep) if self.multinode else "",
             num_instances=self.config.data_parallel_size,
         )
@@ -169,7 +178,7 @@ class Deployment:
         """Threads per worker: --threads, else the cores shared by every local worker of
         every instance."""
         cores = os.cpu_count() or 1
-        workers = len(self.local_ranks) * self.num_instances
+        workers = len(self.local_ranks) * len(self.local_instances)
         return self.config.num_threads or max(1, cores // workers)
 
     def _spawn_instance(self, instance: int) -> list[Child]:
@@ -194,15 +203,17 @@ class Deployment:
 
         # several nodes: the head's workers (rank 0 hosts torch.distributed's rendezvous,
         # which waits a bounded time for every rank) start once every node has joined
-        if self.multinode:
+        spawn_workers_later = None
+        if self.multinode and not self.replicas:
             self._spawn("nodelink", 0, 1)
             spawn_workers_later = spawn_workers
             self._spawn("scheduler", 0, 1)
             for i in range(self.deployment.num_detokenizers):
                 self._spawn("detokenizer", i, 1)
         else:
-            spawn_workers_later = None
-            for instance in range(self.num_instances):
+            if self.multinode:  # the other nodes' replicas, through the node link
+                self._spawn("replicalink", 0, 1)
+            for instance in self.local_instances:
                 self._spawn_instance(instance)
         self._spawn("frontend", 0, 1)
         if self.deployment.http_port is not None:
@@ -361,7 +372,8 @@ class Deployment:
                 self.down_instances.discard(instance)
                 self._send_to_frontend(InstanceUp(instance=instance))
                 log.warning("replica %d restarted and back in the rotation", instance)
-        if len(self.down_instances) < self.num_instances:
+        # replicas on other nodes may still serve: the frontend fails what finds none up
+        if self.multinode or len(self.down_instances) < self.num_instances:
             return True
         self.failure = f"every replica is down (last: {reason})"
         log.error("%s; stopping the deployment", self.failure)

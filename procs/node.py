@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -46,6 +47,7 @@ from sarazmq.protocol.launcher import (
     Beat,
     Bye,
     Failed,
+    FromInstance,
     FromWorker,
     HeadToNode,
     Join,
@@ -56,6 +58,7 @@ from sarazmq.protocol.launcher import (
     Ready,
     Refused,
     Stop,
+    ToInstance,
     ToWorker,
     Welcome,
 )
@@ -169,6 +172,7 @@ class NodeAgent:
                 session=session,
                 host=self.host,
                 model=self.model_config,
+                num_instances=self.config.data_parallel_size,
             )
         )
         monitor = dealer.get_monitor_socket(
@@ -234,26 +238,67 @@ class NodeAgent:
             log.error("undecodable message from the head: %s", e)
             return None
 
-    def _worker_spec(self, rundir: str, welcome: Welcome) -> ProcSpec:
-        """This node's worker spec (index 0; one per rank is spawned)."""
+    def _node_config(self, welcome: Welcome) -> EngineConfig:
+        """The head's engine config, with this node's model path and threads."""
         head = welcome.config
         if world_size(head) != world_size(self.config):  # the head checked; be sure
             raise NodeRefused("the head's world size differs from this node's")
-        # the head's engine config, with this node's model path and threads
-        config = dataclasses.replace(
+        return dataclasses.replace(
             head, model=self.config.model, num_threads=self.config.num_threads
         )
+
+    def _spawn(self, spec: ProcSpec, threads: int) -> None:
+        child = spawn_child(spec, threads)
+        self.children.append(child)
+        self.pids[child.name] = child.popen.pid
+
+    def _relay(self, ctx: zmq.Context, rundir: str, welcome: Welcome) -> _Relay:
+        """Starts what the head asks this node to run and the sockets between it and the
+        link: its worker ranks (plans in, results out), or whole replicas (their
+        schedulers' inbound frames in, what they send the frontend out)."""
+        config = self._node_config(welcome)
+        cores = os.cpu_count() or 1
+        if welcome.instances:
+            endpoints = make_endpoints(
+                rundir, None, world_size(config), self.deployment.num_detokenizers,
+                num_instances=config.data_parallel_size,
+            )  # fmt: skip
+            base = ProcSpec("worker", 0, config, self.model_config, self.deployment, endpoints)
+            relay = _Relay(
+                pull_socket(ctx, endpoints.launcher, private=True),
+                pull_socket(ctx, endpoints.frontend_in),
+                {
+                    i: push_socket(ctx, endpoints.instances[i].scheduler_in)
+                    for i in welcome.instances
+                },
+                FromInstance,
+            )
+            workers = world_size(config) * len(welcome.instances)
+            threads = config.num_threads or max(1, cores // workers)
+            for i in welcome.instances:
+                for r in range(world_size(config)):
+                    self._spawn(msgspec.structs.replace(base, index=r, instance=i), threads)
+                self._spawn(msgspec.structs.replace(base, kind="scheduler", instance=i), 1)
+                for d in range(self.deployment.num_detokenizers):
+                    self._spawn(
+                        msgspec.structs.replace(base, kind="detokenizer", index=d, instance=i), 1
+                    )
+            return relay
         endpoints = make_endpoints(
             rundir, None, world_size(config), 1, dist_init=welcome.dist_init, link=self.link
         )
-        return ProcSpec("worker", 0, config, self.model_config, self.deployment, endpoints)
-
-    def _spawn_workers(self, spec: ProcSpec, ranks: list[int]) -> None:
-        threads = spec.config.num_threads or max(1, (os.cpu_count() or 1) // len(ranks))
-        for r in ranks:
-            child = spawn_child(msgspec.structs.replace(spec, index=r), threads)
-            self.children.append(child)
-            self.pids[child.name] = child.popen.pid
+        spec = ProcSpec("worker", 0, config, self.model_config, self.deployment, endpoints)
+        relay = _Relay(
+            pull_socket(ctx, endpoints.launcher, private=True),
+            pull_socket(ctx, spec.own.worker_result),
+            {},
+            FromWorker,
+        )
+        threads = config.num_threads or max(1, cores // len(welcome.ranks))
+        for r in welcome.ranks:
+            self._spawn(msgspec.structs.replace(spec, index=r), threads)
+        relay.targets = {r: push_socket(ctx, spec.own.worker_plans[r]) for r in welcome.ranks}
+        return relay
 
     def _serve(
         self,
@@ -263,13 +308,10 @@ class NodeAgent:
         welcome: Welcome,
         on_ready: Callable[[NodeAgent], None] | None,
     ) -> None:
-        """Starts the workers and relays until the session ends: returns on a requested
-        stop, raises NodeError on a failure."""
-        spec = self._worker_spec(rundir, welcome)
-        launcher = pull_socket(ctx, spec.endpoints.launcher, private=True)
-        results = pull_socket(ctx, spec.own.worker_result)
-        self._spawn_workers(spec, welcome.ranks)
-        plans = {r: push_socket(ctx, spec.own.worker_plans[r]) for r in welcome.ranks}
+        """Starts the node's processes and relays until the session ends: returns on a
+        requested stop, raises NodeError on a failure."""
+        relay = self._relay(ctx, rundir, welcome)
+        launcher, results = relay.launcher, relay.outbound
         poller = zmq.Poller()
         for sock in (dealer, results, launcher):
             poller.register(sock, zmq.POLLIN)
@@ -299,11 +341,13 @@ class NodeAgent:
             while dealer in events and dealer.poll(0):
                 msg = self._decode(dealer.recv())
                 last_head = now
-                if isinstance(msg, ToWorker):
-                    if msg.seq != seq_in or msg.rank not in plans:
-                        raise fail(f"plan frame {msg.seq} for rank {msg.rank} is out of order")
+                if isinstance(msg, (ToWorker, ToInstance)):
+                    key = msg.rank if isinstance(msg, ToWorker) else msg.instance
+                    target = relay.targets.get(key)
+                    if msg.seq != seq_in or target is None:
+                        raise fail(f"frame {msg.seq} for {key} is out of order or misaddressed")
                     seq_in += 1
-                    plans[msg.rank].send(msg.frame)
+                    target.send(msg.frame)
                 elif isinstance(msg, Stop):
                     self._send(dealer, Bye())
                     dealer.close(linger=1000)
@@ -312,7 +356,7 @@ class NodeAgent:
                     log.info("the head stopped the deployment: %s", msg.reason)
                     return
             while results in events and results.poll(0):
-                self._send(dealer, FromWorker(seq=seq_out, frame=results.recv()))
+                self._send(dealer, relay.wrap(seq_out, results.recv()))
                 seq_out += 1
             while launcher in events and launcher.poll(0):
                 lmsg = decode_launcher_message(ldec, launcher.recv())
@@ -340,3 +384,15 @@ class NodeAgent:
             dealer.send(self._enc.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the head is gone: its silence ends the session
             log.warning("could not send %s to the head: %s", type(msg).__name__, e)
+
+
+@dataclass
+class _Relay:
+    """Between the link and what a node runs: the node's launcher socket (READY), the
+    socket of frames for the head (`outbound`, sent as `wrap(seq, frame)`), and where the
+    head's frames go (`targets`: by worker rank, or by replica)."""
+
+    launcher: zmq.Socket
+    outbound: zmq.Socket
+    targets: dict[int, zmq.Socket]
+    wrap: Callable[[int, bytes], NodeToHead]

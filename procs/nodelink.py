@@ -81,6 +81,8 @@ class NodeState:
     rank: int
     ranks: range
     identity: bytes | None = None
+    # with data-parallel replicas: the replicas the node runs whole (ranks is then empty)
+    instances: list[int] = field(default_factory=list)
     session: str = ""
     host: str = ""
     last_seen: float = 0.0
@@ -111,10 +113,7 @@ class HeadLink:
         cfg, dep = spec.config, spec.deployment
         self.spec = spec
         self.num_workers = world_size(cfg)
-        self.nodes = {
-            r: NodeState(r, node_ranks(self.num_workers, dep.nnodes, r))
-            for r in range(1, dep.nnodes)
-        }
+        self.nodes = {r: self.make_node(r) for r in range(1, dep.nnodes)}
         self.owner = {rank: node for node in self.nodes.values() for rank in node.ranks}
         self.auth: Any = None
         if dep.curve is not None:
@@ -138,6 +137,11 @@ class HeadLink:
         self.welcomed = False
         self.all_ready = False
         self.tp = cfg.tensor_parallel_size
+
+    def make_node(self, rank: int) -> NodeState:
+        """What node `rank` runs: its block of the worker ranks."""
+        dep = self.spec.deployment
+        return NodeState(rank, node_ranks(self.num_workers, dep.nnodes, rank))
 
     # ---- sending -------------------------------------------------------------------
 
@@ -285,6 +289,13 @@ class HeadLink:
         elif isinstance(msg, NodeFailed):
             raise NodeLost(node, f"failed: {msg.reason}")
 
+    def relay(self, events: dict[zmq.Socket, int]) -> None:
+        """Forwards what the head's processes sent for the nodes (the scheduler's plans
+        for remote ranks)."""
+        for sock in self.plans:
+            if sock in events:
+                self.forward_plans(sock)
+
     def forward_plans(self, sock: zmq.Socket) -> None:
         rank = self.plans[sock]
         node = self.owner[rank]
@@ -335,9 +346,7 @@ class HeadLink:
                     except ValueError:  # not [identity, frame]
                         continue
                     self.on_node_message(identity, frame, now)
-            for sock in self.plans:
-                if sock in events:
-                    self.forward_plans(sock)
+            self.relay(events)
             if self.control in events:
                 msg = msgspec.msgpack.decode(self.control.recv(), type=HeadStopping)
                 self.requested_stop = True
@@ -346,7 +355,8 @@ class HeadLink:
             if now >= next_beat and self.welcomed:
                 next_beat = now + BEAT_INTERVAL_S
                 for node in self.nodes.values():
-                    self.send(node, Beat(time=now))
+                    if node.identity is not None:
+                        self.send(node, Beat(time=now))
             if not self.all_ready and all(n.ready for n in self.nodes.values()):
                 self.all_ready = True
                 ready(nodes=self.status(now))
@@ -372,7 +382,12 @@ def tell_nodelink_stopping(ctx: zmq.Context, endpoint: str) -> None:
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
-    link = HeadLink(spec, ctx)
+    run_head_link(HeadLink(spec, ctx), ctx, ready)
+
+
+def run_head_link(link: HeadLink, ctx: zmq.Context, ready: Callable[..., None]) -> None:
+    """Runs a head link until SIGTERM (the nodes told to stop) or a lost node (reported to
+    the launcher, the nodes told to stop, exit 1)."""
     try:
         link.run(ready)
     except NodeLost as e:
@@ -396,10 +411,6 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
             link.auth.stop()
 
 
-if __name__ == "__main__":
-    run_process(body)
-
-
 def lost_node_reason(
     launcher: zmq.Socket, decoder: msgspec.msgpack.Decoder, reports: list[Failed]
 ) -> str:
@@ -420,3 +431,7 @@ def lost_node_reason(
                 reports.append(msg)
     lost = [m for m in reports if m.name.startswith("node-")]
     return lost[0].error if lost else ""
+
+
+if __name__ == "__main__":
+    run_process(body)

@@ -69,7 +69,9 @@ def health(endpoint: str, timeout: float, curve_server_key_file: str | None) -> 
             f"{stats.get('num_total_blocks', '?')} KV blocks free"
         )
     nodes = stats.get("nodes") or []
-    down = [n for n in nodes if n.get("role") != "head" and not n.get("ready")]
+    # a node down with data-parallel replicas leaves the others serving (its replicas
+    # are listed as down below); without replicas the deployment needs every node
+    down = [n for n in nodes if n.get("role") not in ("head", "replicas") and not n.get("ready")]
     if down:
         names = ", ".join(f"node {n.get('node')}" for n in down)
         click.echo(f"unhealthy: {names} not ready")
@@ -94,10 +96,11 @@ def _replica_line(r: dict[str, Any]) -> str:
 def _node_line(node: dict[str, Any]) -> str:
     """One node of a multi-node deployment, as `health` lists it."""
     role = "head, " if node.get("role") == "head" else ""
-    line = (
-        f"node {node.get('node')} ({role}{node.get('host') or '?'}): ranks {node.get('ranks')}, "
-        f"stages {node.get('stages')}"
-    )
+    where = f"node {node.get('node')} ({role}{node.get('host') or '?'})"
+    if "replicas" in node:  # data-parallel replicas: each node runs whole ones
+        line = f"{where}: replicas {node.get('replicas')}"
+    else:
+        line = f"{where}: ranks {node.get('ranks')}, stages {node.get('stages')}"
     beat = node.get("last_heartbeat_s")
     if beat is not None:
         line += f", last heartbeat {beat:.1f} s ago"

@@ -50,8 +50,15 @@ LauncherInbound = Ready | Failed | Drained | NodesJoined
 # (`FromWorker`), each numbered so that a lost frame is an error, not a hang; both sides
 # send `Beat` every second and treat a silent peer as gone.
 
+#
+# With data-parallel replicas (`--dp N`, N a multiple of the node count), each node runs
+# whole replicas instead (scheduler, workers, detokenizers: `Welcome.instances`); the
+# head's frontend reaches their schedulers through the link (`ToInstance`), and what
+# their schedulers and detokenizers send the frontend comes back (`FromInstance`). A node
+# lost then takes only its replicas down, and a node that joins again brings them back.
+
 #: Bumped on any change to the link messages; a node of another version is refused.
-LINK_VERSION = 1
+LINK_VERSION = 2
 
 
 class Join(msgspec.Struct, tag="join", array_like=True):
@@ -66,17 +73,20 @@ class Join(msgspec.Struct, tag="join", array_like=True):
     session: str
     host: str
     model: ModelConfig
+    num_instances: int = 1
 
 
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
     """Head -> node: joined. config: the head's resolved engine config (the node keeps
     its own model path and thread count); dist_init: torch.distributed's init
-    method; ranks: the global worker ranks this node runs."""
+    method; ranks: the global worker ranks this node runs; instances: with data-parallel
+    replicas, the replicas this node runs whole (ranks is then empty)."""
 
     session: str
     config: EngineConfig
     dist_init: str
     ranks: list[int]
+    instances: list[int] = []
 
 
 class Refused(msgspec.Struct, tag="refused", array_like=True):
@@ -116,6 +126,23 @@ class FromWorker(msgspec.Struct, tag="from_worker", array_like=True):
     frame: bytes
 
 
+class ToInstance(msgspec.Struct, tag="to_instance", array_like=True):
+    """Head -> node: one frame from the frontend for the scheduler of replica `instance`;
+    seq counts the frames sent to this node (0, 1, ...)."""
+
+    instance: int
+    seq: int
+    frame: bytes
+
+
+class FromInstance(msgspec.Struct, tag="from_instance", array_like=True):
+    """Node -> head: one frame from a replica of the node to the frontend (outputs, stats
+    answers, load reports)."""
+
+    seq: int
+    frame: bytes
+
+
 class NodeFailed(msgspec.Struct, tag="node_failed", array_like=True):
     """Node -> head: the node cannot go on (a worker died, it was told to stop)."""
 
@@ -143,5 +170,5 @@ class HeadStopping(msgspec.Struct, tag="head_stopping", array_like=True):
     reason: str
 
 
-NodeToHead = Join | NodeReady | Beat | FromWorker | NodeFailed | Bye
-HeadToNode = Welcome | Refused | Beat | ToWorker | Stop
+NodeToHead = Join | NodeReady | Beat | FromWorker | FromInstance | NodeFailed | Bye
+HeadToNode = Welcome | Refused | Beat | ToWorker | ToInstance | Stop
