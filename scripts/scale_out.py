@@ -162,9 +162,9 @@ def main() -> None:
                 )
             if "cache-aware" in by_router and "round-robin" in by_router:
                 ca, rr = by_router["cache-aware"], by_router["round-robin"]
-                hit = ca["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+                hit = f"{ca['hit_rate'] / rr['hit_rate']:.2f}x" if rr["hit_rate"] else "-"
                 print(
-                    f"{'':<11} {'':>8} cache-aware / round-robin: hit rate {hit:.2f}x, "
+                    f"{'':<11} {'':>8} cache-aware / round-robin: hit rate {hit}, "
                     f"P99 TTFT {ca['ttft_p99'] / rr['ttft_p99']:.2f}x",
                     flush=True,
                 )

@@ -250,8 +250,14 @@ def fleet_line(f: Mapping[str, Any]) -> str:
     """A fleet run's replicas, router, prefix-cache hit rate and balance (a summary's
     "fleet", `FleetOutcome.fleet_summary`) in one line."""
     busy, reqs = f["busy_fraction"], f["requests_per_replica"]
+    router = f["router"]
+    what = (
+        f"{router['prefill']} prefill + {router['decode']} decode instances"
+        if "prefill" in router
+        else f"{f['replicas']} replicas"
+    )
     return (
-        f"fleet: {f['replicas']} replicas  router {f['router']['policy']}  prefix cache hit "
+        f"fleet: {what}  router {router['policy']}  prefix cache hit "
         f"{100 * f['prefix_hit_rate']:.1f} %  requests per replica {reqs['min']}-{reqs['max']}"
         f"  busy {busy['min']:.3f}-{busy['max']:.3f} (mean {busy['mean']:.3f})"
     )

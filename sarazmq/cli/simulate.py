@@ -10,6 +10,13 @@ from typing import Any
 import click
 
 from sarazmq.cli.options import sim_engine_options
+from sarazmq.cli.sim_disagg import (
+    add_goodput,
+    disagg_options,
+    goodput_line,
+    num_gpus,
+    run_disaggregated,
+)
 from sarazmq.cli.sim_options import (
     fleet_line,
     latency_line,
@@ -62,6 +69,7 @@ summary.json, requests.csv, iterations.csv, records.jsonl and plots as `replay` 
 @latency_source_options
 @sim_engine_options
 @comparison_options("simulate the same workload with each")
+@disagg_options
 @click.option(
     "--scale-to-fleet",
     is_flag=True,
@@ -76,6 +84,10 @@ def simulate(trace: str, **kw: Any) -> None:
                 "a simulation has no deployment or client", param_hint=f"--{opt.replace('_', '-')}"
             )
     policies, comparing, baseline = comparison_policies(kw)
+    if kw["disaggregate"] and comparing:
+        raise click.BadParameter(
+            "compare a disaggregated run with others by running each", param_hint="--compare"
+        )
     if kw["tbt_slo"] and any(p != "sarathi" for p in policies):
         raise click.BadParameter(
             "the adaptive chunk is the sarathi policy's; simulate the others without it",
@@ -98,7 +110,9 @@ def simulate(trace: str, **kw: Any) -> None:
         config = base.with_policy(policy)
         click.echo(sim_engine_line(config))
         run_dir = out_dir / policy if comparing else out_dir
-        if config.data_parallel_size > 1:
+        if kw["disaggregate"]:
+            summary, recs = run_disaggregated(requests, kw, info, latency, run_dir, workload)
+        elif config.data_parallel_size > 1:
             summary, recs = _simulate_fleet(requests, config, latency, info, kw, run_dir, workload)
         else:
             summary, recs = _simulate_one(requests, config, latency, info, kw, run_dir, workload)
@@ -109,6 +123,10 @@ def simulate(trace: str, **kw: Any) -> None:
             click.echo(sim_pipeline_line(summary["pipeline"]))
         if "fleet" in summary:
             click.echo(fleet_line(summary["fleet"]))
+        if not kw["disaggregate"]:
+            add_goodput(summary, recs, kw, num_gpus(config))
+        if "slo_goodput" in summary:
+            click.echo(goodput_line(summary["slo_goodput"]))
         click.echo(f"wrote {run_dir}/")
         summaries[policy] = summary
         records[policy] = recs

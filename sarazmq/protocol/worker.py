@@ -26,7 +26,9 @@ class NewSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: positions [0, num_cached_tokens) are computed already: their KV
         sits in the prefix-cache blocks at the head of the block table the first
         `ScheduledSeq.new_block_ids` bring (a multiple of the block size, < len(token_ids)),
-        so the first computed position is num_cached_tokens.
+        or, for a prompt computed by a disaggregated deployment's prefill instance, in the
+        blocks its KV was sent into (the whole prompt); the first computed position is
+        num_cached_tokens.
     """
 
     seq_id: int

@@ -297,3 +297,34 @@ def summarize(
     out["iterations"] = it
     out["prefix_cache"] = prefix_cache_summary(iterations)
     return out
+
+
+def slo_goodput(
+    records: Sequence[RequestRecord], slo_ttft: float, slo_tpot: float, num_gpus: int
+) -> dict[str, Any]:
+    """DistServe's goodput: a request is good when it completed without error, its TTFT
+    <= slo_ttft and its TPOT (time per output token after the first) <= slo_tpot (a
+    request of one output token has no TPOT and passes that test). attainment = good /
+    all requests; requests_per_s = good / makespan; per_gpu = that over `num_gpus`."""
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus={num_gpus} must be >= 1")
+    good = 0
+    starts = [r.arrival_s for r in records]
+    ends = [r.token_times_s[-1] for r in records if r.ok and r.token_times_s]
+    for r in records:
+        if not r.ok:
+            continue
+        m = request_metrics(r)
+        if m.ttft_s is not None and m.ttft_s <= slo_ttft and (m.tpot_s or 0.0) <= slo_tpot:
+            good += 1
+    makespan = max(ends) - min(starts) if ends and starts else 0.0
+    rps = good / makespan if makespan > 0 else 0.0
+    return {
+        "slo_ttft_s": slo_ttft,
+        "slo_tpot_s": slo_tpot,
+        "num_good": good,
+        "attainment": good / len(records) if records else 0.0,
+        "requests_per_s": rps,
+        "num_gpus": num_gpus,
+        "per_gpu": rps / num_gpus,
+    }

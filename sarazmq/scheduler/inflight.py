@@ -176,7 +176,9 @@ def build_plan(
                 num_prompt_tokens=req.num_prompt_tokens,
                 params=req.params,
                 seed=req.seed,
-                num_cached_tokens=req.num_cached_tokens,
+                # positions whose KV is there: prefix-cache hits, or a prompt sent by
+                # a prefill instance
+                num_cached_tokens=max(req.num_cached_tokens, req.num_transferred_tokens),
             )
         )
         preempted = req.num_preemptions > 0

@@ -86,6 +86,7 @@ def preempt(ctx: ScheduleContext, request: Request, out: BatchDecision) -> None:
     ctx.blocks.free(request)
     request.status = RequestStatus.WAITING
     request.num_computed_tokens = 0
+    request.num_transferred_tokens = 0  # its recompute covers the sent KV too
     request.num_prefill_tokens = 0
     request.num_sent_tokens = 0
     request.num_preemptions += 1
@@ -179,10 +180,13 @@ class Policy(abc.ABC):
                 break
             req = ctx.waiting[0]
             total = req.num_tokens  # prompt (+ outputs after a preemption)
-            # prefix cache: whole leading blocks already computed (at most total - 1)
-            hits = ctx.blocks.find_cached_blocks(req)
+            # prefix cache: whole leading blocks already computed (at most total - 1); a
+            # prompt whose KV was sent by another instance takes fresh blocks for it
+            transferred = req.num_transferred_tokens
+            hits = ctx.blocks.find_cached_blocks(req) if not transferred else []
             cached = len(hits) * ctx.blocks.block_size
-            to_compute = total - cached
+            computed = max(cached, transferred)
+            to_compute = total - computed
             if whole and budget is not None and to_compute > budget:
                 break
             watermark = ctx.watermark_blocks if ctx.running or ctx.num_hidden else 0
@@ -191,7 +195,7 @@ class Policy(abc.ABC):
             ctx.waiting.popleft()
             ctx.blocks.allocate_with_hits(req, hits, total)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = cached
+            req.num_computed_tokens = computed
             req.num_cached_tokens = cached
             req.num_prefill_tokens = total
             ctx.running.append(req)

@@ -63,6 +63,7 @@ class Request:
         "num_keyed_blocks",
         "cache_parent",
         "finish_token_ids",
+        "num_transferred_tokens",
     )
 
     def __init__(
@@ -106,6 +107,10 @@ class Request:
         self.block_keys: list[bytes] = []
         self.num_keyed_blocks = 0
         self.cache_parent: tuple[int, int] | None = None
+        # tokens whose KV another instance computed and sent (a disaggregated deployment's
+        # decode side): admitted, they count as computed; 0 again after a preemption,
+        # whose recompute covers them here
+        self.num_transferred_tokens = 0
 
     @property
     def all_token_ids(self) -> list[int]:

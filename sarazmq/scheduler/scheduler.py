@@ -175,6 +175,38 @@ class Scheduler:
         self._requests[request_id] = req
         self.waiting.append(req)
 
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        first_token: int,
+        first_token_time: float,
+        first_scheduled_time: float,
+        arrival_time: float,
+    ) -> None:
+        """Queues a request whose prompt another instance computed (the decode side of a
+        disaggregated deployment): the prompt's KV arrives by transfer and its first output
+        token is known. Admitted, its blocks hold the sent KV, and its first step computes
+        the first output token's KV and samples the second; preempted, it recomputes the
+        prompt here (the KV is not asked for again). InvalidRequestError as add_request,
+        and when the request has no output left to make."""
+        self.add_request(request_id, prompt_token_ids, params, arrival_time)
+        req = self._requests[request_id]
+        if req.max_output_tokens < 2:
+            self._requests.pop(request_id)
+            self.waiting.remove(req)
+            raise InvalidRequestError(
+                f"request {request_id!r} is done after its first token (max_tokens "
+                f"{params.max_tokens}): nothing is left to decode",
+                "max_tokens",
+            )
+        req.output_token_ids.append(first_token)
+        req.token_times.append(first_token_time)
+        req.first_scheduled_time = first_scheduled_time
+        req.num_transferred_tokens = len(req.prompt_token_ids)
+
     def abort(self, request_id: str) -> bool:
         """Finishes a live request with "abort" and frees its blocks. Its delta comes
         out of the next process_result() or drain_finished(). False if not live."""
@@ -249,8 +281,8 @@ class Scheduler:
         KV use. instance / num_added: its index in the deployment and the AddRequests it
         has received (the caller counts them: rejected ones too)."""
         queued = 0
-        for req in self.waiting:
-            queued += req.num_uncomputed_tokens
+        for req in self.waiting:  # a prompt whose KV was sent needs no computing
+            queued += req.num_uncomputed_tokens - req.num_transferred_tokens
         for req in self.running:
             if req.is_prefill:
                 queued += req.num_uncomputed_tokens

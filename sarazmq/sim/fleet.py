@@ -69,6 +69,8 @@ class FleetOutcome:
     wall_s: float
     num_iterations: int
     iterations: list[IterationSample] = field(default_factory=list)
+    # a disaggregated deployment's KV transfers (count, bytes and link seconds; `disagg`)
+    transfers: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -112,7 +114,7 @@ class FleetOutcome:
                 "max": max(busy),
             },
             "num_iterations": self.num_iterations,
-        }
+        } | ({"kv_transfers": self.transfers} if self.transfers else {})
 
 
 def simulate_fleet(
