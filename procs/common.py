@@ -47,8 +47,10 @@ class ProcSpec(msgspec.Struct):
     def name(self) -> str:
         """The process's name in logs, READY and failure messages: "worker-1", or with
         several instances "replica2-worker-1"."""
-        if self.config.data_parallel_size > 1 and self.kind in INSTANCE_KINDS:
-            return f"replica{self.instance}-{self.kind}-{self.index}"
+        if self.config.num_instances > 1 and self.kind in INSTANCE_KINDS:
+            role = self.config.instance_role(self.instance)
+            prefix = "replica" if role == "mixed" else role
+            return f"{prefix}{self.instance}-{self.kind}-{self.index}"
         return f"{self.kind}-{self.index}"
 
     @property

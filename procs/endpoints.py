@@ -28,6 +28,8 @@ class InstanceEndpoints(msgspec.Struct):
     worker_result: str
     detokenizers: list[str]
     dist_init: str
+    # per worker rank: where a disaggregated deployment's decode workers read its KV
+    kv_export: list[str] = []
 
 
 class Endpoints(msgspec.Struct):
@@ -132,6 +134,7 @@ def make_instance_endpoints(
         worker_result=f"{ipc}result.ipc",
         detokenizers=[f"{ipc}detok{i}.ipc" for i in range(num_detokenizers)],
         dist_init=dist_init or f"tcp://127.0.0.1:{free_tcp_port()}",
+        kv_export=[f"{ipc}kv{r}.ipc" for r in range(num_workers)],
     )
 
 
@@ -226,7 +229,7 @@ def check_http_bind(host: str, api_key: str | None) -> None:
 
 
 #: ipc files of instance 0 (the other instances' carry an "rN-" prefix)
-_INSTANCE_FILES = ("scheduler", "worker", "result", "detok")
+_INSTANCE_FILES = ("scheduler", "worker", "result", "detok", "kv")
 
 
 def remove_ipc_files(rundir: str, public: str, prefix: str | None = None) -> None:

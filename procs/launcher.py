@@ -92,7 +92,12 @@ class Deployment:
             )
         # the head's workers (all of them on a single node)
         self.local_ranks = check_multinode(self.config, self.deployment)
-        self.num_instances = self.config.data_parallel_size
+        self.num_instances = self.config.num_instances
+        if self.config.disaggregated and self.multinode:
+            raise ValueError(
+                "a disaggregated deployment runs on one node: --disaggregate with --nnodes > 1 "
+                "is not supported yet"
+            )
         # the replicas this node runs: all of them, or with several nodes the head's share
         # (each node runs whole replicas: `procs/replicalink.py`)
         self.local_instances = (
@@ -141,7 +146,7 @@ class Deployment:
             # several nodes without replicas share one rendezvous; replicas have their own
             dist_init=dist_init_method(dep) if self.multinode and not self.replicas else None,
             link=link_endpoint(dep) if self.multinode else "",
-            num_instances=self.config.data_parallel_size,
+            num_instances=self.config.num_instances,
         )
 
     @property
@@ -331,8 +336,13 @@ class Deployment:
         how = f"signal {-code}" if code < 0 else f"code {code}"
         reason = f"{dead.name} (pid {dead.popen.pid}) exited with {how}"
         self.failures.append(reason)
-        log.error("%s; stopping replica %d", reason, instance)
-        self._send_to_frontend(InstanceDown(instance=instance, reason=reason))
+        name = self._instance_name(instance)
+        log.error("%s; stopping %s", reason, name)
+        # the frontend must hear it: its requests on the replica wait for nothing else
+        for _ in range(3):
+            if self._send_to_frontend(InstanceDown(instance=instance, reason=reason)):
+                break
+            time.sleep(0.5)
         mine = [c for c in self.children if c.instance == instance]
         stop_children(mine)
         self.children = [c for c in self.children if c.instance != instance]
@@ -345,8 +355,8 @@ class Deployment:
         if restart:
             self.instance_restarts[instance] += 1
             log.warning(
-                "restarting replica %d (restart %d of %d)",
-                instance,
+                "restarting %s (restart %d of %d)",
+                name,
                 self.instance_restarts[instance],
                 self.deployment.max_restarts,
             )
@@ -364,14 +374,14 @@ class Deployment:
                     self._launcher, kids, self.deployment.ready_timeout, self._stop_requested
                 )
             except DeploymentError as e:
-                log.error("replica %d did not restart: %s", instance, e)
-                self.failures.append(f"replica {instance} restart failed: {e}")
+                log.error("%s did not restart: %s", name, e)
+                self.failures.append(f"{name} restart failed: {e}")
                 stop_children([c for c in self.children if c.instance == instance])
                 self.children = [c for c in self.children if c.instance != instance]
             else:
                 self.down_instances.discard(instance)
                 self._send_to_frontend(InstanceUp(instance=instance))
-                log.warning("replica %d restarted and back in the rotation", instance)
+                log.warning("%s restarted and back in the rotation", name)
         # replicas on other nodes may still serve: the frontend fails what finds none up
         if self.multinode or len(self.down_instances) < self.num_instances:
             return True
@@ -380,6 +390,11 @@ class Deployment:
         self._tell_frontend_dead("scheduler")
         self._kill_children()
         return False
+
+    def _instance_name(self, instance: int) -> str:
+        """ "replica 2", or in a disaggregated deployment "prefill instance 0"."""
+        role = self.config.instance_role(instance)
+        return f"replica {instance}" if role == "mixed" else f"{role} instance {instance}"
 
     def _lost_node(self) -> str:
         """Multi-node: why a node was lost, if the node link says so within about a

@@ -16,7 +16,7 @@ import zmq
 from sarazmq.procs.common import ProcSpec, run_process
 from sarazmq.procs.sockets import pull_socket, push_socket
 from sarazmq.protocol.engine import SchedulerInbound
-from sarazmq.protocol.worker import Shutdown, StepResult
+from sarazmq.protocol.worker import KVPulled, Shutdown, WorkerOutbound
 from sarazmq.scheduler import (
     SchedulerActions,
     SchedulerService,
@@ -30,18 +30,18 @@ LOAD_REPORT_INTERVAL_S = 0.02
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     cfg = spec.config
-    scheduler = build_scheduler(cfg, spec.model_config.eos_token_ids)
+    scheduler = build_scheduler(cfg, spec.model_config.eos_token_ids, instance=spec.instance)
     service = SchedulerService(scheduler, spec.deployment.num_detokenizers, spec.instance)
     # several instances: the frontend's router needs this one's load (`InstanceLoad`)
-    report_load = cfg.data_parallel_size > 1
-    last_report = (0.0, -1, -1)  # (when, num_added, num_iterations) of the last report
+    report_load = cfg.num_instances > 1
+    last_report: tuple[float, ...] = (0.0, -1, -1, -1, -1)  # (when, *state) last reported
     inbound = pull_socket(ctx, spec.own.scheduler_in)
     results = pull_socket(ctx, spec.own.worker_result)
     workers = [push_socket(ctx, ep) for ep in spec.own.worker_plans]
     detoks = [push_socket(ctx, ep) for ep in spec.own.detokenizers]
     frontend = push_socket(ctx, spec.endpoints.frontend_in)
     in_decoder = msgspec.msgpack.Decoder(SchedulerInbound)
-    result_decoder = msgspec.msgpack.Decoder(StepResult)
+    result_decoder = msgspec.msgpack.Decoder(WorkerOutbound)
     enc = msgspec.msgpack.Encoder()
     poller = zmq.Poller()
     poller.register(inbound, zmq.POLLIN)
@@ -74,14 +74,24 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
                     except zmq.Again:
                         break
                     service.on_inbound(in_decoder.decode(frame), acts)
-            if service.in_flight and results in events:
+            if results in events:
                 stalled = False
-                while service.in_flight:
+                # step results (the driver's) and KV pull reports (every rank's)
+                while True:
                     try:
                         frame = results.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    service.on_result(result_decoder.decode(frame), acts)
+                    out = result_decoder.decode(frame)
+                    if isinstance(out, KVPulled):
+                        service.on_kv_pulled(out, acts)
+                    else:
+                        service.on_result(out, acts)
+            # the KV exports, releases and pulls come before any later plan
+            for msg in acts.to_workers:
+                frame = enc.encode(msg)
+                for w in workers:
+                    w.send(frame)
             # fill the pipeline: one plan per free slot (a request is in at most one)
             while service.can_plan and scheduler.has_unfinished() and not stalled:
                 plan = service.next_plan()
@@ -94,7 +104,13 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
             flush(acts)
             if report_load:
                 now = time.monotonic()
-                state = (service.num_added, scheduler.num_iterations)
+                # aborts change the queues without an iteration or an addition
+                state = (
+                    service.num_added,
+                    scheduler.num_iterations,
+                    len(scheduler.waiting),
+                    len(scheduler.running),
+                )
                 if state != last_report[1:] and now - last_report[0] >= LOAD_REPORT_INTERVAL_S:
                     frontend.send(enc.encode(service.load()))
                     last_report = (now, *state)

@@ -88,14 +88,16 @@ def await_ready(
     decoder = msgspec.msgpack.Decoder(LauncherInbound)
     ready: set[str] = set()
     deadline = time.monotonic() + timeout
-    while waiting := {c.name for c in children} - ready:
+    # a Failed of another process (say another replica's, while one restarts) is not
+    # this start's: it goes to on_message, and that process's death to its supervisor
+    while waiting := (names := {c.name for c in children}) - ready:
         if time.monotonic() > deadline:
             raise DeploymentError(f"timed out waiting for {sorted(waiting)} to become ready")
         if stop_requested.is_set():  # e.g. Ctrl-C during a long model load
             raise DeploymentError("stopped while starting")
         if launcher.poll(200):
             msg = decode_launcher_message(decoder, launcher.recv())
-            if isinstance(msg, Failed):
+            if isinstance(msg, Failed) and msg.name in names:
                 raise DeploymentError(f"{msg.name} failed to start: {msg.error}")
             if isinstance(msg, Ready):
                 ready.add(msg.name)

@@ -8,6 +8,8 @@ tp rank r sends its activations to stage s+1's tp rank r point-to-point.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -19,16 +21,33 @@ import zmq
 
 from sarazmq.procs.common import ProcSpec, recv_interruptible, run_process
 from sarazmq.procs.sockets import pull_socket, push_socket
-from sarazmq.protocol.worker import WorkerInbound
-from sarazmq.worker import DistLink, Placement, WorkerService, build_model_runner
+from sarazmq.protocol.worker import KVExport, KVPull, KVPulled, KVRelease, WorkerInbound
+from sarazmq.worker import (
+    DistLink,
+    KVExporter,
+    KVImporter,
+    Placement,
+    WorkerService,
+    build_model_runner,
+)
+
+log = logging.getLogger("sarazmq.worker")
+
+
+def device_index(spec: ProcSpec, rank: int) -> int:
+    """The local device of an instance's rank: instances on a node take consecutive
+    blocks of tp x pp devices (the node's first instance the first block)."""
+    cfg, dep = spec.config, spec.deployment
+    world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    per_node = cfg.num_instances // dep.nnodes if cfg.num_instances > 1 else 1
+    local = spec.instance % max(1, per_node)
+    return local * world + rank
 
 
 def init_distributed(placement: Placement, device: str, init_method: str) -> Any:
     """Joins the world of every worker rank; returns this rank's stage's tensor-parallel
     group (None without tensor parallelism)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(placement.rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -52,6 +71,9 @@ def init_distributed(placement: Placement, device: str, init_method: str) -> Any
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     cfg = spec.config
     placement = Placement(spec.index, cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
+    if cfg.device.startswith("cuda"):
+        # each engine instance on this node has devices of its own
+        torch.cuda.set_device(device_index(spec, placement.rank) % torch.cuda.device_count())
     group = None
     if placement.world_size > 1:
         group = init_distributed(placement, cfg.device, spec.own.dist_init)
@@ -74,15 +96,65 @@ def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
     results = push_socket(ctx, spec.own.worker_result) if service.is_driver else None
     decoder = msgspec.msgpack.Decoder(WorkerInbound)
     encoder = msgspec.msgpack.Encoder()
+    kv = KVEnds(ctx, spec, placement.rank, runner.kv_caches)
     ready(rank=placement.rank, kv_blocks=cfg.cache.num_blocks)
     while not service.stopped:
-        result = service.on_message(decoder.decode(recv_interruptible(plans)))
+        msg = decoder.decode(recv_interruptible(plans))
+        if isinstance(msg, (KVExport, KVRelease, KVPull)):
+            kv.on_message(msg)
+            continue
+        result = service.on_message(msg)
         if result is not None and results is not None:
             results.send(encoder.encode(result))
+    kv.close()
     if send_to is not None:
         send_to.close()
     if placement.world_size > 1:
         dist.destroy_process_group()
+
+
+class KVEnds:
+    """A worker's ends of a disaggregated deployment's KV transfers (none when
+    co-located): a prefill instance's exporter, a decode instance's importer, which
+    reports each pull to the scheduler (`KVPulled`) on a socket of its own thread."""
+
+    def __init__(self, ctx: zmq.Context, spec: ProcSpec, rank: int, caches: Any) -> None:
+        self.spec, self.rank = spec, rank
+        role = spec.config.instance_role(spec.instance)
+        self.exporter = (
+            KVExporter(ctx, spec.own.kv_export[rank], caches) if role == "prefill" else None
+        )
+        self.importer = KVImporter(ctx, caches, self._report) if role == "decode" else None
+        self._ctx = ctx
+        self._local = threading.local()
+
+    def _report(self, seq_id: int, error: str) -> None:
+        # called on the importer's thread: a socket of that thread
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._local.sock = push_socket(self._ctx, self.spec.own.worker_result)
+        sock.send(msgspec.msgpack.encode(KVPulled(seq_id, self.rank, error)))
+
+    def on_message(self, msg: KVExport | KVRelease | KVPull) -> None:
+        if isinstance(msg, KVPull):
+            if self.importer is None:
+                log.error("a KV pull reached a worker that is not a decode instance's")
+                return
+            source = self.spec.endpoints.instances[msg.source_instance].kv_export[self.rank]
+            self.importer.pull(
+                msg.seq_id, source, msg.source_request_id, msg.source_block_ids, msg.block_ids
+            )
+        elif self.exporter is None:
+            log.error("a KV export reached a worker that is not a prefill instance's")
+        elif isinstance(msg, KVExport):
+            self.exporter.register(msg.request_id, msg.block_ids)
+        else:
+            self.exporter.release(msg.request_id)
+
+    def close(self) -> None:
+        for end in (self.exporter, self.importer):
+            if end is not None:
+                end.close()
 
 
 if __name__ == "__main__":

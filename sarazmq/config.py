@@ -172,6 +172,11 @@ class EngineConfig:
     # `router` (`sarazmq.router`)
     data_parallel_size: int = 1
     router: str = "cache-aware"
+    # a disaggregated deployment: prefill_instances that compute prompts and their first
+    # token, decode_instances that pull the prompt's KV and make the rest (0 and 0:
+    # co-located, every instance does both)
+    prefill_instances: int = 0
+    decode_instances: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -191,6 +196,17 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} must be >= 1")
         if self.router not in ROUTER_POLICIES:
             raise ValueError(f"unknown router {self.router!r}; choose one of {ROUTER_POLICIES}")
+        p, d = self.prefill_instances, self.decode_instances
+        if (p > 0) != (d > 0) or p < 0 or d < 0:
+            raise ValueError(
+                f"prefill_instances={p} and decode_instances={d}: a disaggregated deployment "
+                "needs >= 1 of each (0 and 0: co-located)"
+            )
+        if p and self.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} with a disaggregated deployment: "
+                "its instances are --prefill-instances and --decode-instances"
+            )
         if self.cache.kv_cache_dtype == "int8" and self.attention_backend in (
             "flash_attn",
             "triton",
@@ -208,6 +224,24 @@ class EngineConfig:
                 f"tbt_slo={self.scheduler.tbt_slo} needs pipeline_parallel_size=1 (got "
                 f"{self.pipeline_parallel_size}): the adaptive budget does not model pipelines"
             )
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_instances > 0
+
+    @property
+    def num_instances(self) -> int:
+        """Engine instances: the prefill and decode ones, else the replicas."""
+        if self.disaggregated:
+            return self.prefill_instances + self.decode_instances
+        return self.data_parallel_size
+
+    def instance_role(self, instance: int) -> str:
+        """ "mixed" (co-located), or "prefill" for the first prefill_instances instances
+        and "decode" for the others."""
+        if not self.disaggregated:
+            return "mixed"
+        return "prefill" if instance < self.prefill_instances else "decode"
 
     def with_policy(self, policy: str, chunk_size: int | None = None) -> EngineConfig:
         """The same engine under another policy (and chunk size): what a comparison or a
@@ -241,7 +275,10 @@ class DeploymentConfig:
     num_detokenizers: detokenizer processes (requests are sharded over them).
     curve: the server's CurveZMQ keys; required for a non-loopback tcp endpoint.
     restart: "no" (a dead process stops the deployment) or "on-failure" (it is started
-        again on the same endpoint, at most max_restarts times).
+        again on the same endpoint, at most max_restarts times). With several engine
+        instances (replicas, prefill/decode) a dead instance's processes stop alone: with
+        "no" it stays down while the others serve (the deployment stops once none is up),
+        with "on-failure" it restarts alone (max_restarts times each).
     drain_timeout: on stop, seconds in-flight requests get to finish before being aborted.
     client_timeout / max_client_backlog: the frontend's limits on a client that stops
         answering heartbeats / stops reading its output (its requests are then aborted).

@@ -59,10 +59,11 @@ class LLMEngine:
                 f"tensor_parallel_size={config.tensor_parallel_size}: the in-process engine "
                 "runs tp=1; use `sarazmq serve --tp N`"
             )
-        if config.data_parallel_size != 1:
+        if config.num_instances != 1:
             raise ValueError(
-                f"data_parallel_size={config.data_parallel_size}: the in-process engine is one "
-                "replica; use `sarazmq serve --dp N`"
+                f"{config.num_instances} engine instances (data_parallel_size="
+                f"{config.data_parallel_size}, prefill/decode {config.prefill_instances}/"
+                f"{config.decode_instances}): the in-process engine is one; use `sarazmq serve`"
             )
         self.config, self.model_config = resolve_engine_config(config)
         log.info("engine: %s", describe_dtype(config.dtype, self.config.dtype))

@@ -130,6 +130,20 @@ class EngineOptions:
             sim=True,
         ),
     )
+    disaggregate: bool = _option(
+        False,
+        Flag(
+            "--disaggregate",
+            "prefill and decode on separate instances (--prefill-instances, "
+            "--decode-instances): the prompt's KV moves between them after its first token",
+        ),
+    )
+    prefill_instances: int = _option(
+        1, Flag("--prefill-instances", "with --disaggregate: instances that compute prompts")
+    )
+    decode_instances: int = _option(
+        1, Flag("--decode-instances", "with --disaggregate: instances that decode")
+    )
     dtype: str = _option(
         EngineConfig.dtype,
         Flag(
@@ -237,6 +251,8 @@ class EngineOptions:
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             router=self.router,
+            prefill_instances=self.prefill_instances if self.disaggregate else 0,
+            decode_instances=self.decode_instances if self.disaggregate else 0,
             num_threads=self.num_threads,
             seed=self.seed,
             scheduler=SchedulerConfig(

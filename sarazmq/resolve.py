@@ -102,9 +102,11 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
         )
         budget = available_memory_bytes(device) * cache.memory_fraction
         # every rank holds 1/tp of each block of its stage's layers; budget is per device
-        # on CUDA, shared by all tp x pp ranks on CPU
+        # on CUDA (each instance's ranks have their own devices), shared on CPU by all
+        # tp x pp ranks of every instance (data-parallel replicas, prefill and decode
+        # instances; on several machines this is conservative: a node runs some of them)
         if not device.startswith("cuda"):
-            budget /= tp * pp
+            budget /= tp * pp * config.num_instances
         by_memory = int(budget // per_block)
         # no point in more than every running request at full context
         by_need = sched.max_num_seqs * -(-max_len // block_size) + 1

@@ -52,12 +52,17 @@ def test_prefix_index_matches_the_longest_prefix_per_instance() -> None:
 
 def test_prefix_index_forgets_least_recently_routed_beyond_capacity() -> None:
     idx = PrefixIndex([4])
-    old, new = _keys(1, 3), _keys(2, 3)
+    old, new = _keys(1, 4), _keys(2, 4)  # 3 keys each (the last token is never a hit)
     idx.insert(0, old)
-    idx.insert(0, new)  # 6 keys, capacity 4: the two oldest of `old` go
+    idx.insert(0, new)  # 6 keys, capacity 4: two of `old` go, from its tail
     assert idx.size(0) == 4
-    assert idx.match_lengths(old, 1) == {}
+    assert idx.match_lengths(old, 1) == {0: 1}  # its head is still there
     assert idx.match_lengths(new, 1) == {0: 3}
+    # a prompt longer than the capacity keeps its head: it matches right after routing
+    small = PrefixIndex([8])
+    long = _keys(3, 11)  # 10 keys
+    small.insert(0, long)
+    assert small.match_lengths(long, 1) == {0: 8}
     with pytest.raises(ValueError, match="capacities"):
         PrefixIndex([-1])
 
@@ -202,9 +207,10 @@ def test_fleet_cache_aware_hits_more_than_round_robin() -> None:
         assert s["num_completed"] == len(reqs)
         assert s["fleet"]["replicas"] == 4 and s["fleet"]["router"]["policy"] == router
         hit[router] = out.prefix_hit_rate
-        ttft[router] = summarize(out.records)["ttft_s"]["p99"]
+        ttft[router] = summarize(out.records)["ttft_s"]["mean"]
     assert hit["cache-aware"] >= 1.5 * hit["round-robin"], hit
-    assert ttft["cache-aware"] <= ttft["round-robin"] * 1.05, ttft
+    # the hits are prefill not computed: requests start sooner on the whole
+    assert ttft["cache-aware"] < ttft["round-robin"], ttft
 
 
 def test_fleet_refuses_what_it_does_not_model() -> None:

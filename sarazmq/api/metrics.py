@@ -174,10 +174,12 @@ class ServerMetrics:
             tokens = int(it.get("num_prefill_tokens", 0)) + int(it.get("num_decode_tokens", 0))
             self.iteration_tokens.labels(self.model_name).observe(tokens)
             self._next[instance] = step + 1
-        if self.next_step < 0:
-            # first scrape: count from here on, not the engine's whole history
-            for r in stats.get("replicas") or [{"instance": 0, **stats}]:
-                self._next[int(r["instance"])] = int(r.get("num_iterations", 0)) + 1
+        for r in stats.get("replicas") or [{"instance": 0, **stats}]:
+            instance, done = int(r["instance"]), int(r.get("num_iterations", 0))
+            # first scrape: count from here on, not the engine's whole history; a replica
+            # that restarted numbers its steps from 0 again
+            if self.next_step < 0 or self._next.get(instance, 0) > done + 1:
+                self._next[instance] = done + 1
         if self._next:
             self.next_step = min(self._next.values())
 

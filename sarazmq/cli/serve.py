@@ -181,6 +181,12 @@ def serve(
             if dep.config.data_parallel_size > 1
             else ""
         )
+        + (
+            f", disaggregated: {dep.config.prefill_instances} prefill + "
+            f"{dep.config.decode_instances} decode instances"
+            if dep.config.disaggregated
+            else ""
+        )
         + f", {dep.config.cache.num_blocks} KV blocks"
         + (" of int8" if dep.config.cache.kv_cache_dtype == "int8" else "")
         + ") on "

@@ -21,6 +21,7 @@ from sarazmq.protocol.common import FINISH_STOP, MaybeFinishReason
 from sarazmq.protocol.engine import (
     DeltaBatch,
     DetokenizerAdd,
+    DetokenizerDrop,
     DetokenizerInbound,
     RequestDelta,
 )
@@ -91,11 +92,21 @@ class DetokenizerService:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._requests: dict[str, tuple[IncrementalDetokenizer, SamplingParams]] = {}
 
-    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Starts tracking a request; raises ValueError if the id is already tracked."""
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        replay_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Starts tracking a request; raises ValueError if the id is already tracked.
+        replay_token_ids: outputs another instance already streamed: fed without emitting
+        their text, so this one goes on exactly where that one left off."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already being detokenized")
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        if replay_token_ids:
+            detok.step([int(t) for t in replay_token_ids])
         self._requests[request_id] = (detok, params)
 
     def abort(self, request_id: str) -> None:
@@ -180,7 +191,10 @@ class DetokenizerService:
     def on_message(self, msg: DetokenizerInbound) -> DetokenizeResult:
         """One message from the scheduler: a request to track, or a batch to detokenize."""
         if isinstance(msg, DetokenizerAdd):
-            self.add(msg.request_id, msg.prompt_token_ids, msg.params)
+            self.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.replay_token_ids)
+            return DetokenizeResult()
+        if isinstance(msg, DetokenizerDrop):
+            self.abort(msg.request_id)
             return DetokenizeResult()
         if isinstance(msg, DeltaBatch):
             return self.detokenize(msg.deltas)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from sarazmq.protocol.engine import AddRequest
+from sarazmq.protocol.engine import AddPrefilled, AddRequest, HandOff
 from sarazmq.router import (
     InstanceTable,
     NoInstanceError,
@@ -24,7 +24,7 @@ from sarazmq.router import (
 )
 
 #: separates a client request's engine id from its attempt number when it was sent again
-#: to another instance (a control character: a client's printable id cannot forge it)
+#: to another instance (a control character: the frontend refuses client ids with any)
 REROUTE_SEP = "\x1f"
 
 
@@ -47,6 +47,13 @@ class Route:
     instance: int = 0
     add: AddRequest | None = None
     attempt: int = 0
+    # a disaggregated deployment: handed off to a decode instance (`instance`), and where
+    # its prompt's KV still is until the decode instance has it (prefill instance and the
+    # id it was exported as there)
+    decoding: bool = False
+    source: tuple[int, str] | None = None
+    # the client asked to abort it: never sent anywhere again
+    aborted: bool = False
 
     @property
     def base_id(self) -> str:
@@ -63,6 +70,10 @@ class Routes:
         )
         self.num_instances = len(self.router.table)
         self._hash_prompts = self.num_instances > 1 and self.router.config.policy == "cache-aware"
+        # new requests go to prefill instances when there are any (disaggregated)
+        self.entry_role = (
+            "prefill" if any(i.role == "prefill" for i in self.router.table.instances) else "mixed"
+        )
         self.inflight: dict[str, Route] = {}
         # base engine id -> current engine id, for the requests sent again elsewhere
         self._rerouted: dict[str, str] = {}
@@ -94,7 +105,7 @@ class Routes:
             if self._hash_prompts
             else []
         )
-        return self.router.route(keys, len(add.prompt_token_ids))
+        return self.router.route(keys, len(add.prompt_token_ids), role=self.entry_role)
 
     def add(self, add: AddRequest, identity: bytes, client_rid: str, instance: int) -> None:
         """`add` was routed to `instance`: its outputs go to (identity, client_rid)."""
@@ -126,17 +137,21 @@ class Routes:
         self.num_rerouted += 1
         return moved
 
-    def instance_down(self, instance: int) -> tuple[list[tuple[int, AddRequest]], list[Route]]:
+    def instance_down(
+        self, instance: int, reroute: bool = True
+    ) -> tuple[list[tuple[int, AddRequest]], list[Route]]:
         """`instance` died: the router stops choosing it; its requests that have streamed
-        nothing move to a live instance (`reroute`), the others are forgotten. Returns
-        the moved requests (instance, request to send) and the routes that failed."""
+        nothing (and were not aborted by their client) move to a live instance
+        (`reroute`; not when `reroute` is False, e.g. past a drain's deadline), the others
+        are forgotten. Returns the moved requests (instance, request to send) and the
+        routes that ended (`Route.aborted` tells the client's aborts from failures)."""
         self.router.mark_down(instance)
         moved: list[tuple[int, AddRequest]] = []
         failed: list[Route] = []
         for eid, route in list(self.inflight.items()):
             if route.instance != instance:
                 continue
-            if route.add is not None:
+            if route.add is not None and reroute and not route.aborted:
                 try:
                     add = self.reroute(eid, route)
                 except NoInstanceError:
@@ -147,6 +162,28 @@ class Routes:
             self.forget(eid, route)
             failed.append(route)
         return moved, failed
+
+    def hand_off(self, msg: HandOff) -> AddPrefilled | None:
+        """A prefill instance handed a request off: the decode instance it goes to now
+        (the router's least-loaded decode instance; NoInstanceError when none is up) and
+        the message for it; None when the request is gone (its KV is then to be freed)."""
+        route = self.inflight.get(msg.request_id)
+        if route is None:
+            return None
+        instance = self.router.route([], 0, role="decode")
+        route.instance, route.decoding, route.add = instance, True, None
+        route.source = (msg.instance, msg.request_id)
+        return AddPrefilled(
+            msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
+            msg.first_token, msg.first_token_time, msg.first_scheduled_time,
+            msg.instance, msg.request_id, msg.block_ids,
+        )  # fmt: skip
+
+    def kv_done(self, request_id: str) -> None:
+        """The decode instance has the request's KV (or gave up on it)."""
+        route = self.inflight.get(request_id)
+        if route is not None:
+            route.source = None
 
     def clear(self) -> None:
         self.inflight.clear()

@@ -61,11 +61,15 @@ from sarazmq.protocol.engine import (
     Drain,
     EngineDead,
     FrontendInbound,
+    HandOff,
     InstanceDown,
     InstanceLoad,
     InstanceUp,
+    KVDone,
     NodesStatus,
     OutputBatch,
+    ReleaseKV,
+    SourceDown,
     StatsAnswer,
 )
 from sarazmq.router import NoInstanceError, Router
@@ -168,6 +172,7 @@ class FrontendService:
             current = self.routes.current_id(eid)
             route = self.inflight.get(current)
             if route is not None:
+                route.aborted = True
                 acts.send(route.instance, Abort(request_id=current))
         elif isinstance(msg, (StatsRequest, ResetPrefixCacheRequest)):
             self._on_stats(acts, identity, msg)
@@ -240,6 +245,8 @@ class FrontendService:
             )
         if self.routes.has(eid):
             return fail(f"request_id {msg.request_id!r} is already in flight", "request_id")
+        if not msg.request_id.isprintable():
+            return fail("request_id must be printable (no control characters)", "request_id")
         given = [
             name
             for name, value in (
@@ -292,6 +299,7 @@ class FrontendService:
             if route.identity == identity:
                 acts.send(route.instance, Abort(request_id=eid))
                 self.routes.forget(eid, route)
+                self._end_transfer(acts, eid, route, abort=False)
                 n += 1
         for eid, fan in list(self.pending_stats.items()):
             if fan.identity == identity:
@@ -329,6 +337,10 @@ class FrontendService:
             self._on_stats_answer(acts, msg)
         elif isinstance(msg, InstanceLoad):
             self.router.table.on_report(msg)
+        elif isinstance(msg, HandOff):
+            self._on_hand_off(acts, msg)
+        elif isinstance(msg, KVDone):
+            self._on_kv_done(acts, msg)
         elif isinstance(msg, InstanceDown):
             self._on_instance_down(acts, msg)
         elif isinstance(msg, InstanceUp):
@@ -357,6 +369,7 @@ class FrontendService:
                 if route is not None:
                     self.routes.forget(out.request_id, route)
                     self._release(route)
+                    self._end_transfer(acts, out.request_id, route)
                     if self.draining:
                         if out.finish_reason == FINISH_ABORT:
                             self.drain_aborted += 1
@@ -398,15 +411,65 @@ class FrontendService:
         if not 0 <= msg.instance < self.num_instances:
             return
         log.error("instance %d is down: %s", msg.instance, msg.reason)
-        moved, failed = self.routes.instance_down(msg.instance)
+        if self.router.table[msg.instance].role == "prefill":
+            # the decode instances fail what they were to pull from it at once
+            for i, inst in enumerate(self.router.table.instances):
+                if inst.role == "decode" and inst.alive:
+                    acts.send(i, SourceDown(msg.instance, msg.reason))
+        # past a drain's deadline nothing is sent anywhere again
+        moved, ended = self.routes.instance_down(msg.instance, reroute=not self._drain_abort_sent)
         for instance, add in moved:
             acts.send(instance, add)
-        for route in failed:
+        for route in ended:
             self._release(route)
-            acts.to_clients.append((route.identity, _engine_error(route, msg.reason)))
+            self._end_transfer(acts, "", route, abort=False)
+            reply = (
+                OutputDelta(request_id=route.client_rid, finish_reason=FINISH_ABORT)
+                if route.aborted
+                else _engine_error(route, msg.reason)
+            )
+            acts.to_clients.append((route.identity, reply))
         for eid, fan in list(self.pending_stats.items()):
             if msg.instance in fan.waiting and fan.give_up(msg.instance, msg.reason):
                 self._reply_stats(acts, eid, fan)
+
+    def _end_transfer(
+        self, acts: FrontendActions, eid: str, route: Route, abort: bool = True
+    ) -> None:
+        """A disaggregated request ended (finished, failed, its client gone): its KV still
+        held by a prefill instance is freed there, and with `abort` a decode instance that
+        may still run it is told (its finish may have come from the prefill side)."""
+        if route.source is not None:
+            instance, source_rid = route.source
+            route.source = None
+            acts.send(instance, ReleaseKV(source_rid))
+        if abort and route.decoding:
+            acts.send(route.instance, Abort(request_id=eid))
+
+    def _on_hand_off(self, acts: FrontendActions, msg: HandOff) -> None:
+        """A prefill instance computed a prompt and streamed its first token: the request
+        goes to a decode instance, which pulls its KV; a request that is gone, or that
+        no decode instance can take, frees its KV (and the latter fails)."""
+        try:
+            add = self.routes.hand_off(msg)
+        except NoInstanceError as e:
+            route = self.inflight.get(msg.request_id)
+            acts.send(msg.instance, ReleaseKV(msg.request_id))
+            if route is not None:
+                self.routes.forget(msg.request_id, route)
+                self._release(route)
+                acts.to_clients.append((route.identity, _engine_error(route, str(e))))
+            return
+        if add is None:
+            acts.send(msg.instance, ReleaseKV(msg.request_id))
+            return
+        acts.send(self.inflight[msg.request_id].instance, add)
+
+    def _on_kv_done(self, acts: FrontendActions, msg: KVDone) -> None:
+        """A decode instance has a request's KV (or gave up on it): the prefill instance
+        frees its copy."""
+        self.routes.kv_done(msg.request_id)
+        acts.send(msg.source_instance, ReleaseKV(msg.source_request_id))
 
     def _on_engine_dead(self, acts: FrontendActions, reason: str) -> None:
         self.dead_reason = reason

@@ -48,7 +48,49 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
     request_id: str
 
 
-SchedulerInbound = AddRequest | Abort | StopStringHit | StatsQuery | ResetPrefixCache
+class AddPrefilled(msgspec.Struct, tag="add_prefilled", array_like=True):
+    """Frontend -> a decode instance (a disaggregated deployment): a request whose prompt
+    a prefill instance computed, with its first token. Its KV is pulled from the source
+    instance's workers (`KVPull`: the prompt's blocks `source_block_ids`, exported there
+    as `source_request_id`) once this instance has blocks for it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    first_token: int
+    first_token_time: float
+    first_scheduled_time: float
+    source_instance: int
+    source_request_id: str
+    source_block_ids: list[int]
+
+
+class ReleaseKV(msgspec.Struct, tag="release_kv", array_like=True):
+    """Frontend -> a prefill instance: the KV of a handed-off request is no longer needed
+    (pulled, or its request is gone): free its blocks."""
+
+    request_id: str
+
+
+class SourceDown(msgspec.Struct, tag="source_down", array_like=True):
+    """Frontend -> every decode instance: prefill instance `instance` died: the requests
+    whose KV was to come from it fail now with `reason` (not after a read timeout)."""
+
+    instance: int
+    reason: str
+
+
+SchedulerInbound = (
+    AddRequest
+    | Abort
+    | StopStringHit
+    | StatsQuery
+    | ResetPrefixCache
+    | AddPrefilled
+    | ReleaseKV
+    | SourceDown
+)
 
 
 # ---- scheduler -> detokenizers -------------------------------------------------------
@@ -83,11 +125,21 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, tag="del
 
 
 class DetokenizerAdd(msgspec.Struct, tag="dadd", array_like=True):
-    """Sent before any delta of the request, on the same socket (so it arrives first)."""
+    """Sent before any delta of the request, on the same socket (so it arrives first).
+    replay_token_ids: output tokens another instance already streamed (a disaggregated
+    deployment's first token): fed without emitting, so the text goes on where it left."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    replay_token_ids: list[int] = []
+
+
+class DetokenizerDrop(msgspec.Struct, tag="ddrop", array_like=True):
+    """The request went on to another instance (its first token was handed off): forget
+    its state without a final output."""
+
+    request_id: str
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True):
@@ -96,7 +148,7 @@ class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True):
     deltas: list[RequestDelta]
 
 
-DetokenizerInbound = DetokenizerAdd | DeltaBatch
+DetokenizerInbound = DetokenizerAdd | DeltaBatch | DetokenizerDrop
 
 
 # ---- scheduler / detokenizers -> frontend --------------------------------------------
@@ -109,6 +161,32 @@ class OutputBatch(msgspec.Struct, tag="outputs", array_like=True):
 class StatsAnswer(msgspec.Struct, tag="stats_answer", array_like=True):
     request_id: str
     stats: dict[str, Any]
+
+
+class HandOff(msgspec.Struct, tag="handoff", array_like=True):
+    """A prefill instance -> the frontend: the request's prompt is computed and its first
+    token sampled (and streamed); its KV waits in `block_ids` (exported to the instance's
+    workers) for a decode instance to pull, from `instance` (the sender). The fields of
+    `AddPrefilled`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    first_token: int
+    first_token_time: float
+    first_scheduled_time: float
+    block_ids: list[int]
+    instance: int = 0
+
+
+class KVDone(msgspec.Struct, tag="kv_done", array_like=True):
+    """A decode instance -> the frontend: the request's KV arrived (or can no longer be
+    pulled): its source prefill instance may free it (`ReleaseKV`)."""
+
+    request_id: str
+    source_instance: int
+    source_request_id: str
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):
@@ -174,4 +252,6 @@ FrontendInbound = (
     | InstanceLoad
     | InstanceDown
     | InstanceUp
+    | HandOff
+    | KVDone
 )

@@ -93,4 +93,43 @@ class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     reason: str = ""
 
 
-WorkerInbound = BatchPlan | Shutdown
+class KVExport(msgspec.Struct, array_like=True, tag="kv_export"):
+    """A prefill instance's scheduler -> its workers: the KV of `request_id` waits in
+    `block_ids` for a decode instance to read (`sarazmq.worker.kv_transfer`)."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class KVRelease(msgspec.Struct, array_like=True, tag="kv_release"):
+    """A prefill instance's scheduler -> its workers: `request_id`'s KV may no longer be
+    read (its blocks are freed)."""
+
+    request_id: str
+
+
+class KVPull(msgspec.Struct, array_like=True, tag="kv_pull"):
+    """A decode instance's scheduler -> its workers: read the KV exported as
+    `source_request_id` (its blocks `source_block_ids`) by instance `source_instance` (each
+    rank from the same rank there) into this instance's `block_ids`, then report
+    `KVPulled`."""
+
+    seq_id: int
+    source_instance: int
+    source_request_id: str
+    source_block_ids: list[int]
+    block_ids: list[int]
+
+
+class KVPulled(msgspec.Struct, array_like=True, omit_defaults=True, tag="kv_pulled"):
+    """A decode instance's worker -> its scheduler: rank `rank` has `seq_id`'s KV in
+    place (error "": it has; else why not)."""
+
+    seq_id: int
+    rank: int
+    error: str = ""
+
+
+WorkerInbound = BatchPlan | Shutdown | KVExport | KVRelease | KVPull
+#: what the scheduler reads from its workers: the driver's results, every rank's pulls
+WorkerOutbound = StepResult | KVPulled

@@ -15,6 +15,7 @@ from sarazmq.router.router import (
     RouterConfig,
     build_router,
     prompt_block_keys,
+    routing_policy,
 )
 from sarazmq.router.table import KV_FULL, ROLES, InstanceState, InstanceTable
 
@@ -31,4 +32,5 @@ __all__ = [
     "RouterConfig",
     "build_router",
     "prompt_block_keys",
+    "routing_policy",
 ]

@@ -63,7 +63,10 @@ class PrefixIndex:
         lru = self._lru[instance]
         bit = 1 << instance
         holders = self._holders
-        for key in keys:
+        # the tail first: a prompt's head ends most recently used, so eviction takes a
+        # chain from its end (as the engine's own cache frees a request's last blocks
+        # first) and what is left stays matchable from the head
+        for key in reversed(keys):
             if key in lru:
                 lru.move_to_end(key)
             else:

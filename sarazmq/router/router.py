@@ -55,11 +55,12 @@ class RouterConfig:
 def prompt_block_keys(
     token_ids: Sequence[int], block_size: int, salt: str | None = None
 ) -> list[bytes]:
-    """The chained keys of the prompt's full blocks (the prefix cache's own keys), at most
-    MAX_ROUTE_BLOCKS of them."""
+    """The chained keys of the prompt's blocks the prefix cache could serve (the cache's
+    own keys), at most MAX_ROUTE_BLOCKS of them."""
     keys: list[bytes] = []
     parent = ROOT_KEY
-    full = min(len(token_ids) // block_size, MAX_ROUTE_BLOCKS)
+    # the engine reuses at most (n - 1) // block_size blocks: the last token is computed
+    full = min(max(0, len(token_ids) - 1) // block_size, MAX_ROUTE_BLOCKS)
     for b in range(full):
         parent = sha256_block_key(parent, token_ids[b * block_size : (b + 1) * block_size], salt)
         keys.append(parent)
@@ -156,8 +157,18 @@ def _bits(mask: int) -> list[int]:
 
 
 def build_router(config: EngineConfig) -> Router:
-    """The router of an engine config: `config.data_parallel_size` mixed instances of its
-    token budget and KV pool (resolved), spread by `config.router`."""
-    n = config.data_parallel_size
-    table = InstanceTable([config.scheduler.chunk_size] * n, [config.cache.num_blocks] * n)
-    return Router(RouterConfig(policy=config.router), table, config.cache.block_size)
+    """The router of an engine config: its instances (replicas, or prefill and decode
+    instances) with their token budget and KV pool (resolved), spread by
+    `config.router`."""
+    n = config.num_instances
+    roles = [config.instance_role(i) for i in range(n)]
+    table = InstanceTable([config.scheduler.chunk_size] * n, [config.cache.num_blocks] * n, roles)
+    return Router(RouterConfig(policy=routing_policy(config)), table, config.cache.block_size)
+
+
+def routing_policy(config: EngineConfig) -> str:
+    """The router's policy for a config: its own, but least-load for cache-aware without a
+    prefix cache (nothing is reused there: matching prompts would only skew the load)."""
+    if config.router == "cache-aware" and not config.cache.enable_prefix_caching:
+        return "least-load"
+    return config.router

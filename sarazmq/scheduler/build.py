@@ -16,6 +16,7 @@ def build_scheduler(
     *,
     num_blocks: int | None = None,
     scheduler_config: SchedulerConfig | None = None,
+    instance: int = 0,
 ) -> Scheduler:
     """The scheduler of a resolved engine config: the one way to build it, for the
     in-process engine, the scheduler process and the simulator alike.
@@ -24,7 +25,8 @@ def build_scheduler(
     run to their length); clock: the scheduler's time (the simulator's `SimClock`);
     num_blocks: use only this many of the config's KV blocks (default: all of them);
     scheduler_config: another policy/budget than `config.scheduler` (its max_model_len
-    is the config's).
+    is the config's); instance: which of the config's engine instances it schedules
+    (its role in a disaggregated deployment: `EngineConfig.instance_role`).
     """
     sched = scheduler_config or config.scheduler
     return Scheduler(
@@ -38,4 +40,6 @@ def build_scheduler(
         enable_prefix_caching=config.cache.enable_prefix_caching,
         # one micro-batch per pipeline stage keeps every stage busy
         max_inflight=config.pipeline_parallel_size,
+        role=config.instance_role(instance),
+        world_size=config.tensor_parallel_size * config.pipeline_parallel_size,
     )

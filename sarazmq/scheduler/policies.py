@@ -183,6 +183,8 @@ class Policy(abc.ABC):
             # prefix cache: whole leading blocks already computed (at most total - 1); a
             # prompt whose KV was sent by another instance takes fresh blocks for it
             transferred = req.num_transferred_tokens
+            # a pulled prompt's KV is already in the blocks it was given (`transfers`)
+            preallocated = bool(transferred and req.block_ids)
             hits = ctx.blocks.find_cached_blocks(req) if not transferred else []
             cached = len(hits) * ctx.blocks.block_size
             computed = max(cached, transferred)
@@ -190,10 +192,11 @@ class Policy(abc.ABC):
             if whole and budget is not None and to_compute > budget:
                 break
             watermark = ctx.watermark_blocks if ctx.running or ctx.num_hidden else 0
-            if not ctx.blocks.can_allocate_with_hits(total, hits, watermark):
+            if not preallocated and not ctx.blocks.can_allocate_with_hits(total, hits, watermark):
                 break
             ctx.waiting.popleft()
-            ctx.blocks.allocate_with_hits(req, hits, total)
+            if not preallocated:
+                ctx.blocks.allocate_with_hits(req, hits, total)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed
             req.num_cached_tokens = cached

@@ -13,11 +13,16 @@ from sarazmq.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    """Lifecycle: WAITING -> RUNNING -> FINISHED; RUNNING -> WAITING on preemption."""
+    """Lifecycle: WAITING -> RUNNING -> FINISHED; RUNNING -> WAITING on preemption. In a
+    disaggregated deployment (`transfers`): on a prefill instance RUNNING -> PARKED (its
+    first token out, its KV kept for a decode instance) -> FINISHED once released; on a
+    decode instance TRANSFERRING (queued for blocks, or its KV being pulled) -> WAITING."""
 
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    PARKED = "parked"
+    TRANSFERRING = "transferring"
 
 
 class Request:

@@ -35,11 +35,13 @@ from collections.abc import Callable
 from sarazmq.config import SchedulerConfig
 from sarazmq.protocol.common import (
     FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
     FINISH_STOP,
     FinishReason,
 )
 from sarazmq.protocol.engine import InstanceLoad, RequestDelta
-from sarazmq.protocol.worker import BatchPlan, StepResult
+from sarazmq.protocol.worker import BatchPlan, KVPull, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.adaptive import (
     CALIBRATION_REQUESTS,
@@ -60,6 +62,7 @@ from sarazmq.scheduler.stats import (
     PipelineAccounting,
     SchedulerStats,
 )
+from sarazmq.scheduler.transfers import KVParking, KVPulls, KVSource
 from sarazmq.validation import InvalidRequestError, check_prompt_token_ids
 
 
@@ -79,6 +82,8 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         block_hash_fn: BlockHashFn = sha256_block_key,
         max_inflight: int = 1,
+        role: str = "mixed",
+        world_size: int = 1,
     ) -> None:
         """seed: if given, the per-request seeds drawn for requests without
         params.seed come from a generator seeded with it (reproducible runs);
@@ -87,7 +92,12 @@ class Scheduler:
         `BlockManager`); off here by default, on by default in `CacheConfig`.
         block_hash_fn: the prefix cache's block key (tests pass a colliding stub).
         max_inflight: most plans in flight at once (the pipeline's stages; see
-        `inflight`); ValueError when < 1."""
+        `inflight`); ValueError when < 1.
+        role: "mixed"; or in a disaggregated deployment "prefill" (a request is parked
+        after its first token, for a decode instance to pull: `transfers`) or "decode";
+        world_size: the workers that pull KV (each reports its pull)."""
+        if role not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"unknown scheduler role {role!r}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be >= 1")
         self.config = config
@@ -95,9 +105,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
+        self.role = role
         self.blocks = BlockManager(
             block_size, num_blocks, enable_caching=enable_prefix_caching, hash_fn=block_hash_fn
         )
+        self.parking = KVParking()  # a prefill instance's handed-off requests
+        self.pulls = KVPulls(self.blocks, world_size)  # a decode instance's arrivals
         self.prefix_cache = PrefixCacheCounters()
         self.policy = make_policy(config, max_model_len)
         self._rng = random.Random(seed)
@@ -185,13 +198,18 @@ class Scheduler:
         first_token_time: float,
         first_scheduled_time: float,
         arrival_time: float,
+        source: KVSource | None = None,
     ) -> None:
         """Queues a request whose prompt another instance computed (the decode side of a
         disaggregated deployment): the prompt's KV arrives by transfer and its first output
         token is known. Admitted, its blocks hold the sent KV, and its first step computes
         the first output token's KV and samples the second; preempted, it recomputes the
         prompt here (the KV is not asked for again). InvalidRequestError as add_request,
-        and when the request has no output left to make."""
+        and when the request has no output left to make.
+
+        source: where its KV is (a decode instance of a deployment): it waits for blocks,
+        then its workers pull the KV (`start_pulls`, `kv_pulled`) before it can run.
+        Without one (the simulator) the KV is taken to be here already."""
         self.add_request(request_id, prompt_token_ids, params, arrival_time)
         req = self._requests[request_id]
         if req.max_output_tokens < 2:
@@ -206,6 +224,56 @@ class Scheduler:
         req.token_times.append(first_token_time)
         req.first_scheduled_time = first_scheduled_time
         req.num_transferred_tokens = len(req.prompt_token_ids)
+        if source is not None:
+            self.waiting.remove(req)
+            self.pulls.add(req, source)
+
+    def start_pulls(self) -> list[KVPull]:
+        """Gives blocks to the arrived requests that fit and returns the pulls to send to
+        every worker (`transfers.KVPulls.start`)."""
+        self.pulls.start(self._watermark_blocks if self.running else 0)
+        return self.pulls.take_pulls()
+
+    def kv_pulled(self, seq_id: int, rank: int, error: str) -> tuple[Request, KVSource, str] | None:
+        """One worker's report of a pull. Once every rank has reported: the request, its
+        source and the pull's error (""; "cancelled" for an aborted request). Its KV in
+        place, the request waits for admission with its blocks; otherwise it is finished
+        (the caller reports the error)."""
+        done = self.pulls.pulled(seq_id, rank, error)
+        if done is None:
+            return None
+        req, source, err = done
+        if err == "cancelled":
+            return done
+        if err:
+            self._finish(req, FINISH_ERROR)
+            return done
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        return done
+
+    def source_down(self, instance: int) -> list[Request]:
+        """Prefill instance `instance` died: the requests whose KV was to come from it are
+        finished (with an error: the caller reports it); blocks a pull writes into stay
+        until its ranks report. Returns them."""
+        failed = self.pulls.from_source(instance)
+        for req in failed:
+            self._finish(req, FINISH_ERROR)
+        return failed
+
+    def take_handoffs(self) -> list[Request]:
+        """A prefill instance's requests parked since the last call (their first token
+        out, their KV kept): to hand off to a decode instance."""
+        return self.parking.take_handoffs()
+
+    def release_parked(self, request_id: str) -> bool:
+        """Frees a parked request's blocks (its KV was pulled, or is no longer needed);
+        False if it is not parked here."""
+        req = self.parking.parked.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, FINISH_LENGTH)  # counted finished here: its part is done
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Finishes a live request with "abort" and frees its blocks. Its delta comes
@@ -437,6 +505,8 @@ class Scheduler:
         deltas, self._pending_deltas = self._pending_deltas + applied.deltas, []
         if applied.finished_any:
             self.running[:] = [r for r in self.running if not r.is_finished]
+        if self.role == "prefill":
+            self._park_first_tokens(entry.plan)
 
         self._inflight.pop()
         self._num_iterations += 1
@@ -450,6 +520,28 @@ class Scheduler:
         return deltas
 
     # ---- internals ----
+
+    def _park_first_tokens(self, plan: BatchPlan) -> None:
+        """A prefill instance: each request that just sampled its first token and goes on
+        leaves the running requests with its blocks (`transfers.KVParking`)."""
+        reqs = self._requests
+        parked = False
+        for s in plan.scheduled:
+            if not s.sample:
+                continue
+            req = next((r for r in self.running if r.seq_id == s.seq_id), None)
+            if req is None or req.num_output_tokens != 1 or req.request_id not in reqs:
+                continue
+            if self._calibration_seq_ids and req.seq_id in self._calibration_seq_ids:
+                continue
+            req.status = RequestStatus.PARKED
+            parked = True
+            if req.on_worker:
+                self._pending_freed.append(req.seq_id)
+                req.on_worker = False
+            self.parking.park(req)
+        if parked:
+            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
 
     def _start_calibration(self) -> None:
         """Queues the adaptive budget's calibration requests (see `adaptive`)."""
@@ -469,14 +561,21 @@ class Scheduler:
                 req.on_worker = False
 
     def _finish(self, req: Request, reason: FinishReason, remove_from_running: bool = True) -> None:
+        hold_blocks = False
         if req.status is RequestStatus.RUNNING:
             if remove_from_running:
                 self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.PARKED:
+            self.parking.pop(req.request_id)
+        elif req.status is RequestStatus.TRANSFERRING:
+            # a pull in progress writes into its blocks: they go when its ranks report
+            hold_blocks = bool(self.pulls.cancel(req.request_id))
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.blocks.free(req)
+        if not hold_blocks:
+            self.blocks.free(req)
         if req.on_worker:
             self._pending_freed.append(req.seq_id)
             req.on_worker = False

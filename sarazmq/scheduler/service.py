@@ -15,23 +15,38 @@ from dataclasses import dataclass, field
 import msgspec
 
 from sarazmq.protocol.client import OutputDelta
-from sarazmq.protocol.common import ERROR_INVALID, ERROR_OVERLOADED, FINISH_ERROR
+from sarazmq.protocol.common import (
+    ERROR_ENGINE,
+    ERROR_INVALID,
+    ERROR_OVERLOADED,
+    FINISH_ERROR,
+    ErrorType,
+)
 from sarazmq.protocol.engine import (
     Abort,
+    AddPrefilled,
     AddRequest,
     DeltaBatch,
     DetokenizerAdd,
+    DetokenizerDrop,
+    DetokenizerInbound,
+    FrontendInbound,
+    HandOff,
     InstanceLoad,
+    KVDone,
     OutputBatch,
+    ReleaseKV,
     RequestDelta,
     ResetPrefixCache,
     SchedulerInbound,
+    SourceDown,
     StatsAnswer,
     StatsQuery,
     StopStringHit,
 )
-from sarazmq.protocol.worker import BatchPlan, StepResult
+from sarazmq.protocol.worker import BatchPlan, KVExport, KVPull, KVPulled, KVRelease, StepResult
 from sarazmq.scheduler.scheduler import Scheduler
+from sarazmq.scheduler.transfers import KVSource
 from sarazmq.validation import InvalidRequestError
 
 # The scheduler loop allocates a few objects per running request per iteration (deltas,
@@ -57,10 +72,14 @@ def detokenizer_shard(request_id: str, num_shards: int) -> int:
 
 @dataclass
 class SchedulerActions:
-    to_detokenizers: dict[int, list[DetokenizerAdd | DeltaBatch]] = field(default_factory=dict)
-    to_frontend: list[OutputBatch | StatsAnswer] = field(default_factory=list)
+    """What the process loop must send: to the detokenizer shards, to the frontend, and
+    to every worker (a disaggregated deployment's KV exports and pulls)."""
 
-    def detok(self, shard: int, msg: DetokenizerAdd | DeltaBatch) -> None:
+    to_detokenizers: dict[int, list[DetokenizerInbound]] = field(default_factory=dict)
+    to_frontend: list[FrontendInbound] = field(default_factory=list)
+    to_workers: list[KVExport | KVRelease | KVPull] = field(default_factory=list)
+
+    def detok(self, shard: int, msg: DetokenizerInbound) -> None:
         self.to_detokenizers.setdefault(shard, []).append(msg)
 
 
@@ -128,7 +147,20 @@ class SchedulerService:
                 detokenizer_shard(msg.request_id, self.num_detokenizers),
                 DetokenizerAdd(msg.request_id, msg.prompt_token_ids, msg.params),
             )
+        elif isinstance(msg, AddPrefilled):
+            self._add_prefilled(msg, acts)
+        elif isinstance(msg, SourceDown):
+            for req in self.scheduler.source_down(msg.instance):
+                error = f"the prefill instance with the prompt's KV failed: {msg.reason}"
+                acts.to_frontend.append(_error_output(req.request_id, error, "", ERROR_ENGINE))
+                shard = detokenizer_shard(req.request_id, self.num_detokenizers)
+                acts.detok(shard, DetokenizerDrop(req.request_id))
+        elif isinstance(msg, ReleaseKV):
+            if self.scheduler.release_parked(msg.request_id):
+                acts.to_workers.append(KVRelease(msg.request_id))
         elif isinstance(msg, Abort):
+            if msg.request_id in self.scheduler.parking.parked:
+                acts.to_workers.append(KVRelease(msg.request_id))
             self.scheduler.abort(msg.request_id)
         elif isinstance(msg, StopStringHit):
             self.scheduler.finish_by_stop_string(msg.request_id)
@@ -138,6 +170,77 @@ class SchedulerService:
         elif isinstance(msg, StatsQuery):
             acts.to_frontend.append(StatsAnswer(msg.request_id, self.stats(msg.iterations_from)))
         self._route(self.scheduler.drain_finished(), acts)
+        self._transfers(acts)
+
+    def _add_prefilled(self, msg: AddPrefilled, acts: SchedulerActions) -> None:
+        """A handed-off request arrives at a decode instance: queued for blocks and its
+        KV; its detokenizer goes on from the first token, which was streamed already."""
+        self.num_added += 1
+        source = KVSource(msg.source_instance, msg.source_request_id, msg.source_block_ids)
+        try:
+            self.scheduler.add_prefilled_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                first_token=msg.first_token,
+                first_token_time=msg.first_token_time,
+                first_scheduled_time=msg.first_scheduled_time,
+                arrival_time=msg.arrival_time,
+                source=source,
+            )
+        except InvalidRequestError as e:
+            acts.to_frontend.append(_error_output(msg.request_id, e.message, e.field))
+            acts.to_frontend.append(KVDone(msg.request_id, source.instance, source.request_id))
+            return
+        acts.detok(
+            detokenizer_shard(msg.request_id, self.num_detokenizers),
+            DetokenizerAdd(
+                msg.request_id, msg.prompt_token_ids, msg.params, replay_token_ids=[msg.first_token]
+            ),
+        )
+
+    def on_kv_pulled(self, msg: KVPulled, acts: SchedulerActions) -> None:
+        """A worker's report of a pull: once every rank has, the source may free its copy;
+        a failed pull ends its request with the error."""
+        done = self.scheduler.kv_pulled(msg.seq_id, msg.rank, msg.error)
+        if done is not None:
+            req, source, err = done
+            acts.to_frontend.append(KVDone(req.request_id, source.instance, source.request_id))
+            if err and err != "cancelled":
+                error = f"could not receive the prompt's KV from instance {source.instance}: {err}"
+                acts.to_frontend.append(_error_output(req.request_id, error, "", ERROR_ENGINE))
+                shard = detokenizer_shard(req.request_id, self.num_detokenizers)
+                acts.detok(shard, DetokenizerDrop(req.request_id))
+        self._transfers(acts)
+
+    def _transfers(self, acts: SchedulerActions) -> None:
+        """A disaggregated deployment's side work after every message: a prefill instance
+        hands off the requests it parked (their KV exported to its workers, the frontend
+        told, their detokenizer state dropped); a decode instance starts the pulls that
+        now fit."""
+        sched = self.scheduler
+        if sched.role == "prefill":
+            for req in sched.take_handoffs():
+                acts.to_workers.append(KVExport(req.request_id, list(req.block_ids)))
+                acts.to_frontend.append(
+                    HandOff(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.params,
+                        req.arrival_time,
+                        req.output_token_ids[0],
+                        req.token_times[0],
+                        req.first_scheduled_time or req.arrival_time,
+                        list(req.block_ids),
+                        self.instance,
+                    )
+                )
+                shard = self._shard_of.pop(req.request_id, None)
+                if shard is None:
+                    shard = detokenizer_shard(req.request_id, self.num_detokenizers)
+                acts.detok(shard, DetokenizerDrop(req.request_id))
+        elif sched.role == "decode":
+            acts.to_workers.extend(sched.start_pulls())
 
     def stats(self, iterations_from: int = -1) -> dict[str, object]:
         out: dict[str, object] = msgspec.structs.asdict(self.scheduler.stats())
@@ -173,6 +276,7 @@ class SchedulerService:
         deferred, self.deferred = self.deferred, []
         for msg in deferred:
             self._apply(msg, acts)
+        self._transfers(acts)
 
     def _route(self, deltas: list[RequestDelta], acts: SchedulerActions) -> None:
         if self.num_detokenizers == 1:
@@ -191,3 +295,20 @@ class SchedulerService:
             shards.setdefault(shard, []).append(d)
         for shard, batch in shards.items():
             acts.detok(shard, DeltaBatch(batch))
+
+
+def _error_output(
+    request_id: str, error: str, field_name: str, error_type: ErrorType = ERROR_INVALID
+) -> OutputBatch:
+    """A request's final output when it ends with an error here."""
+    return OutputBatch(
+        [
+            OutputDelta(
+                request_id=request_id,
+                finish_reason=FINISH_ERROR,
+                error=error,
+                error_field=field_name,
+                error_type=error_type,
+            )
+        ]
+    )

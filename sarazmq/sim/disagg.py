@@ -38,7 +38,13 @@ from sarazmq.config import EngineConfig
 from sarazmq.protocol.worker import StepResult
 from sarazmq.replay.metrics import RequestRecord
 from sarazmq.replay.workload import WorkloadRequest
-from sarazmq.router import InstanceTable, Router, RouterConfig, prompt_block_keys
+from sarazmq.router import (
+    InstanceTable,
+    Router,
+    RouterConfig,
+    prompt_block_keys,
+    routing_policy,
+)
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import LatencyModel, Request, Scheduler, build_scheduler
 from sarazmq.sim.common import DUMMY_TOKEN, SimClock, StandinPrompts, admit, collect, request_record
@@ -121,7 +127,7 @@ def simulate_disaggregated(
         [i.role for i in insts],
     )
     router = Router(
-        RouterConfig(policy=prefill_config.router), table, prefill_config.cache.block_size
+        RouterConfig(policy=routing_policy(prefill_config)), table, prefill_config.cache.block_size
     )
     decode_router = Router(RouterConfig(policy="least-load"), table, decode_config.cache.block_size)
     prompts = StandinPrompts(
@@ -134,7 +140,7 @@ def simulate_disaggregated(
     transfers: list[tuple[int, float]] = []  # (bytes, seconds on the link incl. queueing)
     events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
     order = 0
-    hash_keys = prefill_config.router == "cache-aware"
+    hash_keys = router.config.policy == "cache-aware"
     ITER, XFER = 0, 1
 
     def push(t: float, kind: int, payload: Any) -> None:

@@ -145,6 +145,7 @@ def simulate_fleet(
     scheds: list[Scheduler] = [build_scheduler(config, (), clocks[i]) for i in range(n_rep)]
     router = build_router(config)
     table = router.table
+    hash_keys = router.config.policy == "cache-aware"
     prompts = StandinPrompts(exact_prompts, config.cache.enable_prefix_caching, len(requests))
     counters = [ReplicaCounters() for _ in range(n_rep)]
     num_added = [0] * n_rep
@@ -183,7 +184,7 @@ def simulate_fleet(
                 now = arrivals[nxt]
                 wr = requests[nxt]
                 ids = prompts(nxt, wr)
-                keys = prompt_block_keys(ids, block_size) if config.router == "cache-aware" else []
+                keys = prompt_block_keys(ids, block_size) if hash_keys else []
                 i = router.route(keys, len(ids))
                 clocks[i].now = now
                 num_added[i] += 1
