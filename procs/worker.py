@@ -128,12 +128,12 @@ class KVEnds:
         self._ctx = ctx
         self._local = threading.local()
 
-    def _report(self, seq_id: int, error: str) -> None:
+    def _report(self, seq_id: int, error: str, nbytes: int, seconds: float) -> None:
         # called on the importer's thread: a socket of that thread
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._local.sock = push_socket(self._ctx, self.spec.own.worker_result)
-        sock.send(msgspec.msgpack.encode(KVPulled(seq_id, self.rank, error)))
+        sock.send(msgspec.msgpack.encode(KVPulled(seq_id, self.rank, error, nbytes, seconds)))
 
     def on_message(self, msg: KVExport | KVRelease | KVPull) -> None:
         if isinstance(msg, KVPull):

@@ -97,6 +97,9 @@ def test_outputs_equal_the_colocated_engine_and_the_kv_is_freed(
         assert decode["num_preemptions"] > 0
         # the shared system prompt is a prefix-cache hit on the prefill instance
         assert prefill["prefix_cache_hits"] > 0
+        # every request's KV crossed once (a preempted one is recomputed, not re-pulled)
+        assert decode["kv_pulls"] == 5 and decode["kv_pull_bytes"] > 0
+        assert prefill["num_parked"] == 0
         assert _free(client) == [28, 28]
 
 

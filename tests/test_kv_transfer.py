@@ -89,7 +89,7 @@ def test_export_then_pull_over_sockets(ctx: zmq.Context, tmp_path) -> None:
     results: dict[int, str] = {}
     got = threading.Event()
 
-    def done(seq_id: int, error: str) -> None:
+    def done(seq_id: int, error: str, nbytes: int, seconds: float) -> None:
         results[seq_id] = error
         got.set()
 
@@ -132,7 +132,7 @@ def test_export_then_pull_over_sockets(ctx: zmq.Context, tmp_path) -> None:
 def test_a_silent_source_is_an_error_within_the_timeout(ctx: zmq.Context, tmp_path) -> None:
     results: dict[int, str] = {}
     got = threading.Event()
-    importer = KVImporter(ctx, _caches(), lambda s, e: (results.__setitem__(s, e), got.set()),
+    importer = KVImporter(ctx, _caches(), lambda s, e, *_: (results.__setitem__(s, e), got.set()),
                           read_timeout_s=0.3)  # fmt: skip
     try:
         importer.pull(9, f"ipc://{tmp_path}/nobody.ipc", "p", [1], [2])

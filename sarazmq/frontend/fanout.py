@@ -33,6 +33,10 @@ ADDITIVE = (
     "prefix_cache_preempted_requests",
     "prefix_cache_preempted_queries",
     "prefix_cache_preempted_hits",
+    "kv_pulls",
+    "kv_pull_bytes",
+    "kv_pull_seconds",
+    "num_parked",
 )
 #: separates an engine request id from the instance a fan-out part was sent to
 PART_SEP = "#"
@@ -87,7 +91,7 @@ class Fanout:
         out: dict[str, Any] = {}
         live = [p for p in parts if "dead" not in p]
         for key in ADDITIVE:
-            out[key] = sum(int(p.get(key, 0)) for p in live)
+            out[key] = sum(p.get(key, 0) for p in live)
         if live:  # the settings every replica shares
             for key, value in live[0].items():
                 if key not in out and key != "iterations":

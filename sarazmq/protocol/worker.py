@@ -123,11 +123,13 @@ class KVPull(msgspec.Struct, array_like=True, tag="kv_pull"):
 
 class KVPulled(msgspec.Struct, array_like=True, omit_defaults=True, tag="kv_pulled"):
     """A decode instance's worker -> its scheduler: rank `rank` has `seq_id`'s KV in
-    place (error "": it has; else why not)."""
+    place (error "": it has; else why not), `nbytes` received in `seconds`."""
 
     seq_id: int
     rank: int
     error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 WorkerInbound = BatchPlan | Shutdown | KVExport | KVRelease | KVPull

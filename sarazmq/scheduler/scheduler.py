@@ -234,12 +234,14 @@ class Scheduler:
         self.pulls.start(self._watermark_blocks if self.running else 0)
         return self.pulls.take_pulls()
 
-    def kv_pulled(self, seq_id: int, rank: int, error: str) -> tuple[Request, KVSource, str] | None:
+    def kv_pulled(
+        self, seq_id: int, rank: int, error: str, nbytes: int = 0, seconds: float = 0.0
+    ) -> tuple[Request, KVSource, str] | None:
         """One worker's report of a pull. Once every rank has reported: the request, its
         source and the pull's error (""; "cancelled" for an aborted request). Its KV in
         place, the request waits for admission with its blocks; otherwise it is finished
         (the caller reports the error)."""
-        done = self.pulls.pulled(seq_id, rank, error)
+        done = self.pulls.pulled(seq_id, rank, error, nbytes, seconds)
         if done is None:
             return None
         req, source, err = done
@@ -383,6 +385,10 @@ class Scheduler:
             prefix_cache_preempted_requests=pc.preempted_requests,
             prefix_cache_preempted_queries=pc.preempted_queries,
             prefix_cache_preempted_hits=pc.preempted_hits,
+            kv_pulls=self.pulls.num_done,
+            kv_pull_bytes=self.pulls.done_bytes,
+            kv_pull_seconds=self.pulls.done_seconds,
+            num_parked=len(self.parking.parked),
             **(self.budget.stats_fields() if self.budget is not None else {}),
             # the clock is read only while busy: stats() of an idle scheduler reads none
             **self._pipeline.fields(self.clock() if self.inflight else 0.0, self.inflight),

@@ -202,7 +202,7 @@ class SchedulerService:
     def on_kv_pulled(self, msg: KVPulled, acts: SchedulerActions) -> None:
         """A worker's report of a pull: once every rank has, the source may free its copy;
         a failed pull ends its request with the error."""
-        done = self.scheduler.kv_pulled(msg.seq_id, msg.rank, msg.error)
+        done = self.scheduler.kv_pulled(msg.seq_id, msg.rank, msg.error, msg.nbytes, msg.seconds)
         if done is not None:
             req, source, err = done
             acts.to_frontend.append(KVDone(req.request_id, source.instance, source.request_id))

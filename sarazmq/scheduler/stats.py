@@ -63,6 +63,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefill chunk with decodes running, iterations the slack cut below chunk_size, and
     iterations with no slack left (the minimum chunk ran).
 
+    Disaggregated deployment (`transfers`): kv_pulls / kv_pull_bytes / kv_pull_seconds:
+    the prompts' KV a decode instance pulled so far (bytes of every rank; seconds of the
+    slowest rank per pull); num_parked: a prefill instance's requests whose KV waits.
+
     Pipeline (see `bubble_fraction`): pipeline_parallel_size stages; active_s: seconds
     with at least one plan in flight; stage_busy_s: per stage, seconds computing, summed;
     bubble_fraction: idle stage time / total stage time over the active time.
@@ -94,6 +98,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     budget_limited_iterations: int = 0
     budget_min_chunk_iterations: int = 0
     pipeline_parallel_size: int = 1
+    kv_pulls: int = 0
+    kv_pull_bytes: int = 0
+    kv_pull_seconds: float = 0.0
+    num_parked: int = 0
     active_s: float = 0.0
     stage_busy_s: list[float] = []
     bubble_fraction: float = 0.0

@@ -68,6 +68,8 @@ class _Pull:
     waiting_for: set[int]
     errors: list[str] = field(default_factory=list)
     cancelled: bool = False
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 class KVPulls:
@@ -80,6 +82,10 @@ class KVPulls:
         self.queue: deque[tuple[Request, KVSource]] = deque()
         self.pulling: dict[int, _Pull] = {}
         self._to_send: list[KVPull] = []
+        # the pulls done so far: count, bytes (every rank's), seconds (the slowest rank's)
+        self.num_done = 0
+        self.done_bytes = 0
+        self.done_seconds = 0.0
 
     def __len__(self) -> int:
         return len(self.queue) + len(self.pulling)
@@ -114,7 +120,9 @@ class KVPulls:
         out, self._to_send = self._to_send, []
         return out
 
-    def pulled(self, seq_id: int, rank: int, error: str) -> tuple[Request, KVSource, str] | None:
+    def pulled(
+        self, seq_id: int, rank: int, error: str, nbytes: int = 0, seconds: float = 0.0
+    ) -> tuple[Request, KVSource, str] | None:
         """One rank's report. When every rank has reported: (request, source, error of
         the pull: "" when it is in place), and the request's blocks are its own; a
         cancelled pull's blocks are freed then. None while ranks are still pulling (or
@@ -123,11 +131,17 @@ class KVPulls:
         if pull is None or rank not in pull.waiting_for:
             return None
         pull.waiting_for.discard(rank)
+        pull.nbytes += nbytes
+        pull.seconds = max(pull.seconds, seconds)
         if error:
             pull.errors.append(f"rank {rank}: {error}")
         if pull.waiting_for:
             return None
         del self.pulling[seq_id]
+        if not pull.errors and not pull.cancelled:
+            self.num_done += 1
+            self.done_bytes += pull.nbytes
+            self.done_seconds += pull.seconds
         if pull.cancelled:  # finished by the scheduler already: only its blocks were left
             self.blocks.free(pull.req)
             return pull.req, pull.source, "cancelled"

@@ -229,13 +229,14 @@ class KVExporter:
 
 class KVImporter:
     """A worker's end that pulls KV from other instances: one thread, one job at a time;
-    `done(seq_id, error)` is called from that thread when a job ends ("" = written)."""
+    `done(seq_id, error, nbytes, seconds)` is called from that thread when a job ends
+    (error "" = written; the bytes received and the seconds the pull took)."""
 
     def __init__(
         self,
         ctx: zmq.Context,
         caches: KVCaches,
-        done: Callable[[int, str], None],
+        done: Callable[[int, str, int, float], None],
         read_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         self.ctx, self.caches, self.done = ctx, caches, done
@@ -262,8 +263,9 @@ class KVImporter:
 
     def fetch(
         self, endpoint: str, request_id: str, source_block_ids: list[int], block_ids: list[int]
-    ) -> None:
-        """One pull, synchronously (KVTransferError naming why it failed)."""
+    ) -> int:
+        """One pull, synchronously; the bytes received (KVTransferError naming why it
+        failed)."""
         if len(source_block_ids) != len(block_ids):
             raise KVTransferError(
                 f"{len(source_block_ids)} source blocks for {len(block_ids)} blocks here"
@@ -285,7 +287,9 @@ class KVImporter:
             header = msgspec.msgpack.decode(frames[0].bytes, type=KVBlocksHeader)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise KVTransferError(f"bad reply header for {request_id!r}: {e}") from None
-        unpack_blocks(self.caches, request_id, block_ids, header, [f.buffer for f in frames[1:]])
+        data = [f.buffer for f in frames[1:]]
+        unpack_blocks(self.caches, request_id, block_ids, header, data)
+        return sum(memoryview(d).nbytes for d in data)
 
     def _run(self) -> None:
         while True:
@@ -293,12 +297,12 @@ class KVImporter:
             if job is None:
                 return
             seq_id, endpoint, request_id, source_blocks, blocks = job
-            error = ""
+            error, nbytes, t0 = "", 0, time.perf_counter()
             try:
-                self.fetch(endpoint, request_id, source_blocks, blocks)
+                nbytes = self.fetch(endpoint, request_id, source_blocks, blocks)
             except KVTransferError as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - a pull must always be answered
                 error = f"{type(e).__name__}: {e}"
             with contextlib.suppress(Exception):
-                self.done(seq_id, error)
+                self.done(seq_id, error, nbytes, time.perf_counter() - t0)
