@@ -145,6 +145,46 @@ def test_a_dead_prefill_worker_leaks_nothing_and_the_instance_comes_back(
         assert _free(client) == [28, 28]
 
 
+def test_a_dead_decode_worker_fails_its_requests_and_the_prefill_side_frees_theirs(
+    deployment: Deployment,
+) -> None:
+    """Six long-prompt requests; the decode instance's worker is killed while some decode,
+    some pull and some still prefill. Every request ends (an error naming the dead worker
+    or the missing decode instance, or done if it finished first): none hangs. The prefill
+    instance frees the KV it held for handoffs; the decode instance restarts empty."""
+    long = [SYSTEM * 3 + q for q in PROMPTS]
+    results: dict[int, object] = {}
+    with Client(deployment.endpoint) as client:
+
+        def run(i: int) -> None:
+            try:
+                results[i] = client.generate(long[i % 4], GREEDY, timeout=120)
+            except (RequestError, EngineError) as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        time.sleep(1.5)
+        os.kill(deployment.pids["decode1-worker-0"], signal.SIGKILL)
+        for t in threads:
+            t.join(180)
+        assert len(results) == 6
+        failed = [r for r in results.values() if isinstance(r, Exception)]
+        assert failed, results
+        assert all("decode" in str(e) or "KV" in str(e) for e in failed), failed
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if all(r["alive"] for r in client.stats()["replicas"]):
+                break
+            time.sleep(0.5)
+        out = client.generate(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert out.finish_reason == "length"
+        assert _free(client) == [28, 28]
+        assert client.stats()["replicas"][0]["num_parked"] == 0
+
+
 def test_a_client_that_vanishes_mid_transfer_frees_both_sides(deployment: Deployment) -> None:
     client = Client(deployment.endpoint)
     streams = [client.stream(PROMPTS[i % 4], GREEDY) for i in range(4)]

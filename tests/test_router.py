@@ -127,8 +127,8 @@ def test_cache_aware_keeps_conversations_on_their_instance() -> None:
     home: dict[int, int] = {}
     for turn in range(1, 6):
         for conv in range(8):
-            keys = _keys(conv, 4 * turn)
-            where = r.route(keys, 16 * 4 * turn)
+            keys = _keys(conv, 4 * (turn + 1))  # its history is most of every later turn
+            where = r.route(keys, 16 * 4 * (turn + 1))
             if turn > 1:
                 assert where == home[conv], (turn, conv)
             home[conv] = where
@@ -151,11 +151,31 @@ def test_cache_aware_load_bound_spreads_a_hot_prefix() -> None:
     assert max(waits) <= min(waits) * (1 + cfg.balance_rel) + cfg.balance_abs + 33 * 16 / 512
 
 
+def test_cache_aware_ignores_a_short_shared_prefix() -> None:
+    """Every prompt opens with the same short system prompt (4 of 32 blocks) and the
+    loads drain between requests: a match under `cache_threshold` of the prompt does not
+    steer, so the requests spread as least-load spreads them, not onto the holder."""
+    r = _router("cache-aware", n=4)
+    counts = [0] * 4
+    for i in range(40):
+        keys = _keys(7, 4) + prompt_block_keys([1000 + i] * (16 * 28), 16)[:28]
+        where = r.route(keys, 16 * 32)
+        counts[where] += 1
+        r.table.on_report(InstanceLoad(where, r.table[where].num_sent, 0, 0, 0, 0, 1000))
+    assert counts == [10, 10, 10, 10]
+    assert r.num_matched == 0
+    # past the threshold the same shared prefix does steer: a prompt that is mostly it
+    holder = r.route(_keys(7, 4) + prompt_block_keys([5] * 48, 16)[:3], 16 * 7)
+    assert r.num_matched == 1 and counts[holder] >= 10
+
+
 def test_router_config_refuses_bad_values() -> None:
     with pytest.raises(ValueError, match="unknown router"):
         RouterConfig(policy="random")
     with pytest.raises(ValueError, match=">= 0"):
         RouterConfig(balance_abs=-1)
+    with pytest.raises(ValueError, match="cache_threshold"):
+        RouterConfig(cache_threshold=1.5)
 
 
 # ---------------------------------------------------------------------------- fleet

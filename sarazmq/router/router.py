@@ -11,7 +11,10 @@ class with loads it reports after every simulated iteration.
 - `cache-aware`: the same cost, with the request's own prefill reduced by the prompt
   blocks the instance was recently sent (`PrefixIndex`: SGLang's cache-aware router
   keeps such a tree of what it routed), so a conversation goes back to the instance
-  holding its history while that is not much busier than the others. The load bound:
+  holding its history while that is not much busier than the others. A match under
+  `cache_threshold` of the prompt's blocks (a shared system prompt) does not steer: the
+  few instances holding it would take every request while others idle (SGLang's router
+  has the same threshold). The load bound:
   only instances whose wait is within `balance_abs` iterations (plus `balance_rel` of
   the least loaded one's) of the least loaded are candidates, so a hot prefix spreads
   to more instances instead of queueing on one.
@@ -39,17 +42,21 @@ class NoInstanceError(RuntimeError):
 @dataclass(frozen=True)
 class RouterConfig:
     """policy: one of ROUTER_POLICIES. balance_abs / balance_rel: the cache-aware load
-    bound (see the module docstring), in prefill iterations."""
+    bound (see the module docstring), in prefill iterations. cache_threshold: the share
+    of a prompt's blocks an instance must hold for cache-aware to steer by it."""
 
     policy: str = "cache-aware"
     balance_abs: float = 4.0
     balance_rel: float = 0.5
+    cache_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown router {self.policy!r}; choose one of {ROUTER_POLICIES}")
         if not (self.balance_abs >= 0 and self.balance_rel >= 0):
             raise ValueError("balance_abs and balance_rel must be >= 0")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("cache_threshold must be in [0, 1]")
 
 
 def prompt_block_keys(
@@ -125,6 +132,10 @@ class Router:
         for i in eligible:
             mask |= 1 << i
         hits = self.index.match_lengths(keys, mask) if keys else {}
+        # a short match (a shared system prompt) is not worth steering for: every
+        # request would pile onto the instances that happen to hold it
+        floor = self.config.cache_threshold * len(keys)
+        hits = {i: n for i, n in hits.items() if n and n >= floor}
         own = {i: max(0, prompt_tokens - hits.get(i, 0) * self.block_size) for i in eligible}
         choice = self._least(eligible, own)
         return choice, hits.get(choice, 0)
