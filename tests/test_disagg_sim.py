@@ -150,3 +150,23 @@ def test_cli_simulate_disaggregated(tmp_path: Path) -> None:
               "--max-requests", "2", "--qps", "1", "--profile", str(tmp_path / "none.json"),
               "--disaggregate", "1:1"]  # fmt: skip
     assert CliRunner().invoke(main, noarch).exit_code != 0
+
+
+def test_commands_that_simulate_one_engine_refuse_several(tmp_path: Path) -> None:
+    """`capacity --simulate` and `sweep --simulate` model one co-located engine: replicas
+    or prefill/decode instances are a one-line error naming the flag, not a run of
+    something else; the simulator's entry point refuses such a config too."""
+    sim = ["--simulate", "--gpu", "a100", "--arch", "mistral-7b"]
+    capacity = ["capacity", "fixed", *sim, "--input-tokens", "64", "--output-tokens", "8",
+                "--max-requests", "4", "--slo-tbt", "0.1", "--slo-sched-delay", "1",
+                "--output-dir", str(tmp_path / "c")]  # fmt: skip
+    sweep = ["sweep", *sim, "--quick", "--output-dir", str(tmp_path / "s")]
+    for cmd in (capacity, sweep):
+        for extra, flag in ((["--disaggregate"], "--disaggregate"), (["--dp", "2"], "--dp")):
+            r = CliRunner().invoke(main, [*cmd, *extra])
+            assert r.exit_code == 2 and f"Invalid value for {flag}" in r.output, r.output
+    from sarazmq.sim import simulate_workload
+
+    config = sim_config(num_blocks=100, max_model_len=256, disaggregate=True)
+    with pytest.raises(ValueError, match="simulate_disaggregated"):
+        simulate_workload([], config, Linear())

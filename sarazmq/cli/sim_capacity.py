@@ -12,6 +12,7 @@ import click
 from sarazmq.cli.sim_options import (
     latency_line,
     load_latency,
+    refuse_several_instances,
     sim_config,
     sim_engine_line,
     sim_vocabulary,
@@ -31,11 +32,7 @@ class SimProbes:
     def __init__(self, kw: Mapping[str, Any]) -> None:
         if kw.get("connect"):
             raise click.BadParameter("a simulation has no deployment", param_hint="--connect")
-        if kw.get("data_parallel_size", 1) != 1:
-            raise click.BadParameter(
-                "the capacity search simulates one replica (a fleet: `sarazmq simulate --dp`)",
-                param_hint="--dp",
-            )
+        refuse_several_instances(kw, "the capacity search")
         self.latency, self.info = load_latency(kw)
         self.config: EngineConfig | None = None
 

@@ -189,6 +189,21 @@ def sim_geometry(
     }
 
 
+def refuse_several_instances(kw: Mapping[str, Any], what: str) -> None:
+    """One-line click errors for engine options that make several instances (`--dp`,
+    `--disaggregate`) in a command that simulates one engine (`what`)."""
+    if kw.get("data_parallel_size", 1) != 1:
+        raise click.BadParameter(
+            f"{what} simulates one replica (a fleet: `sarazmq simulate --dp`)", param_hint="--dp"
+        )
+    if kw.get("disaggregate"):
+        raise click.BadParameter(
+            f"{what} simulates one co-located engine (prefill and decode instances: "
+            "`sarazmq simulate --disaggregate P:D`, or scripts/disagg_grid.py)",
+            param_hint="--disaggregate",
+        )
+
+
 def sim_config(
     kw: Mapping[str, Any], info: Mapping[str, Any], requests: Sequence[WorkloadRequest]
 ) -> EngineConfig:

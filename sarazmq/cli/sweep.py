@@ -14,6 +14,7 @@ from sarazmq.cli.sim_options import (
     latency_line,
     latency_source_options,
     load_latency,
+    refuse_several_instances,
     sim_config,
     sim_vocabulary,
 )
@@ -251,11 +252,7 @@ def sweep(**kw: Any) -> None:
         for r in build_mixed_workload(mix, share=share, qps=1.0, seed=seed)
     ]
     if kw["simulate"]:
-        if kw["data_parallel_size"] != 1:
-            raise click.BadParameter(
-                "a sweep simulates one replica (a fleet: `sarazmq simulate --dp`)",
-                param_hint="--dp",
-            )
+        refuse_several_instances(kw, "a sweep")
         sim_base = sim_config(kw, info or {}, reps)
         max_model_len = sim_base.scheduler.max_model_len
     else:

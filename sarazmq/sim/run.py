@@ -64,6 +64,11 @@ def simulate_workload(
             f"data_parallel_size={config.data_parallel_size}: one engine is simulated here; "
             "a fleet of replicas is `sim.fleet.simulate_fleet` (`sarazmq simulate --dp N`)"
         )
+    if config.disaggregated:
+        raise ValueError(
+            "a disaggregated config: prefill and decode instances are simulated by "
+            "`sim.disagg.simulate_disaggregated` (`sarazmq simulate --disaggregate P:D`)"
+        )
     stages = getattr(latency, "pp", 1)
     if stages != config.pipeline_parallel_size:
         raise ValueError(
