@@ -6,6 +6,8 @@ Every instance is Mistral-7B on A100-80GB GPUs, one GPU each (Vidur's measured A
 Llama-3-8B table, the same layer shapes), its KV pool the GPU's memory less the weights.
 Four GPUs per deployment:
   - sarathi x4: four co-located replicas, stall-free hybrid batches, budget 512
+  - sarathi-2k x4: the same with a budget of 2048 (Sarathi-Serve's choice for relaxed
+    SLOs: fewer, larger iterations, more prefill throughput, longer stalls)
   - vllm x4: four co-located replicas, prefill-first (decodes stall behind prompts)
   - P:D = 1:3, 2:2, 3:1: P prefill instances (sarathi chunks of 512; `--prefill vllm`:
     whole prompts), D decode instances, each decode instance's KV link at --link-gbs
@@ -60,7 +62,8 @@ SLOS = (("tight TPOT", 4.0, 0.025), ("tight TTFT", 0.5, 0.15), ("both relaxed", 
 GRID_TTFT = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 GRID_TPOT = (0.015, 0.02, 0.025, 0.04, 0.06, 0.1, 0.15)
 ATTAINMENT = 0.9
-DEPLOYMENTS = ("sarathi x4", "vllm x4", "1:3", "2:2", "3:1")
+DEPLOYMENTS = ("sarathi x4", "sarathi-2k x4", "vllm x4", "1:3", "2:2", "3:1")
+COLOCATED = 3  # the first three are co-located
 
 
 @dataclass
@@ -108,9 +111,10 @@ def run(
     resolved = {"num_blocks": blocks, "max_model_len": MAX_IN + MAX_OUT}
     if name.endswith("x4"):
         policy = name.split()[0]
+        chunk = {"sarathi": 512, "sarathi-2k": 2048}.get(policy, MAX_IN + MAX_OUT)
         opts = EngineOptions(
-            scheduler=policy, chunk_size=512 if policy == "sarathi" else MAX_IN + MAX_OUT,
-            data_parallel_size=GPUS, router="least-load",
+            scheduler=policy.split("-")[0], chunk_size=chunk, data_parallel_size=GPUS,
+            router="least-load",
         )  # fmt: skip
         return simulate_fleet(reqs, sim_engine_config(opts, **resolved), latency).records
     p, d = (int(x) for x in name.split(":"))
@@ -207,7 +211,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--traces", default="sharegpt,arxiv,azure_code,azure_conv")
     ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--rates", default="1,2,3,4,6,8,10,12,16,20,24,32,40")
+    ap.add_argument("--rates", default="1,2,3,4,6,8,10,12,16,20,24,32,40,48,64,80")
     ap.add_argument("--link-gbs", type=float, default=25.0, help="the KV link of the main grid")
     ap.add_argument("--links", default="1,5,25,100", help="links for the bandwidth study (arxiv)")
     ap.add_argument("--prefill", default="sarathi", choices=("sarathi", "vllm"))
@@ -253,7 +257,7 @@ def main() -> None:
     print("\nKV link bandwidth (arxiv, goodput per GPU at 'tight TPOT' / 'both relaxed'):")
     for link in (float(x) for x in args.links.split(",")):
         g = {}
-        for d in DEPLOYMENTS[2:]:
+        for d in DEPLOYMENTS[COLOCATED:]:
             ladder_ = rungs("arxiv", d, link)
             g[d] = [goodput(ladder_, t, p) / GPUS for name, t, p in SLOS if name != "tight TTFT"]
         rows.append({"study": "link", "link_gbs": link, **g})

@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--skip-table", action="store_true", help="only --capacity")
     ap.add_argument("--capacity-speed", type=float, default=8.0, help="trace speed for --capacity")
     ap.add_argument("--capacity-rows", type=int, default=2000)
-    ap.add_argument("--capacity-sizes", default="128,96,80,64,56,48,40,32,24,16")
+    ap.add_argument("--capacity-sizes", default="128,96,80,64,56,48,40,32,24,16,12,8,6,4")
     ap.add_argument(
         "--slo-ttft",
         type=float,

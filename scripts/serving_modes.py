@@ -14,8 +14,8 @@ before). Mooncake prompts are built from the trace's prefix-block hash ids
 Prints one table: output tok/s, TTFT p50/p99, P99 TBT (time between tokens), hit rate,
 the KV moved per request and the mean pull time over the mean TTFT (disaggregated), and
 each row's output tok/s and P99 TTFT over `--dp 1`'s in the same run. Run it on a quiet
-machine (~30 minutes on 2 cores):
-    python scripts/serving_modes.py [--requests 120] [--windows azure_conv,mooncake]
+machine (~45 minutes on 2 cores):
+    python scripts/serving_modes.py [--requests 60] [--windows azure_conv,mooncake]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 WINDOWS: dict[str, tuple[Path, int, float, float, int, int, bool]] = {
     "azure_conv": (TRACES / "azure_llm_2023_conv.csv", 9000, 14.0, 1.0, 1024, 128, False),
     "azure_code": (TRACES / "azure_llm_2023_code.csv", 4000, 14.0, 1.0, 1500, 128, False),
-    "mooncake": (TRACES / "mooncake_conversation_trace.jsonl", 0, 0.5, 0.08, 2048, 128, True),
+    "mooncake": (TRACES / "mooncake_conversation_trace.jsonl", 0, 6.0, 0.08, 2048, 128, True),
 }
 
 
@@ -103,7 +103,7 @@ def serve_and_replay(requests: list[Any], shape: str, router: str) -> dict[str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--windows", default="azure_conv,azure_code,mooncake")
     ap.add_argument("--routers", default="round-robin,least-load,cache-aware")
     args = ap.parse_args()

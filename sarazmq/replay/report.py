@@ -9,13 +9,13 @@ the numbers read as "seconds into the run" whatever the monotonic clock's origin
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from sarazmq.replay.metrics import IterationSample, RequestRecord, request_metrics
@@ -262,9 +262,12 @@ def write_run(
     )
     write_requests_csv(paths["requests"], records, t0)
     write_iterations_csv(paths["iterations"], iterations, t0)
-    with paths["records"].open("w") as f:
+    # msgspec encodes the dataclass as json.dumps(asdict(r)) would, without asdict's
+    # deep copy of every token time (most of the writing time of a large run)
+    encode = msgspec.json.Encoder().encode
+    with paths["records"].open("wb") as f:
         for r in records:
-            f.write(json.dumps(dataclasses.asdict(r), allow_nan=False) + "\n")
+            f.write(encode(r) + b"\n")
     if not plots:
         return {k: v for k, v in paths.items() if v.suffix != ".png"}
     per_req = [request_metrics(r) for r in records if r.ok]

@@ -4,9 +4,11 @@ collecting finished ones, and the checks on a run's inputs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import gc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import msgspec
 
@@ -91,6 +93,31 @@ class StandinPrompts:
         # prompt unique: keys chain, so they differ from the header's block on
         header = [(index // STANDIN_BASE**k) % STANDIN_BASE for k in range(self._width)]
         return (header + self._slice(n))[:n]
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+#: the collector's thresholds while a simulation runs (Python's default: 700, 10, 10)
+SIM_GC_THRESHOLDS = (100_000, 50, 100)
+
+
+def fewer_gc_passes(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Runs `fn` with the cyclic collector's thresholds raised (SIM_GC_THRESHOLDS), then
+    restores them. A simulation allocates millions of small objects that live to its end
+    (token lists, requests, records) and frees few: at the default thresholds the
+    collector walks them over and over for nothing (docs/SCALE_OUT.md, "Simulator
+    speed"). Nothing here makes reference cycles that need prompt collection."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        before = gc.get_threshold()
+        gc.set_threshold(*SIM_GC_THRESHOLDS)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.set_threshold(*before)
+
+    return wrapper
 
 
 def iteration_sample(rec: IterationRecord, duration: float) -> IterationSample:

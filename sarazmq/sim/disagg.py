@@ -47,7 +47,15 @@ from sarazmq.router import (
 )
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import LatencyModel, Request, Scheduler, build_scheduler
-from sarazmq.sim.common import DUMMY_TOKEN, SimClock, StandinPrompts, admit, collect, request_record
+from sarazmq.sim.common import (
+    DUMMY_TOKEN,
+    SimClock,
+    StandinPrompts,
+    admit,
+    collect,
+    fewer_gc_passes,
+    request_record,
+)
 from sarazmq.sim.fleet import FleetOutcome, ReplicaCounters
 from sarazmq.validation import InvalidRequestError
 
@@ -93,6 +101,7 @@ class _Instance:
         self.counters = ReplicaCounters()
 
 
+@fewer_gc_passes
 def simulate_disaggregated(
     requests: Sequence[WorkloadRequest],
     prefill_config: EngineConfig,

@@ -41,6 +41,7 @@ from sarazmq.sim.common import (
     StandinPrompts,
     admit,
     collect,
+    fewer_gc_passes,
     iteration_sample,
 )
 
@@ -117,6 +118,7 @@ class FleetOutcome:
         } | ({"kv_transfers": self.transfers} if self.transfers else {})
 
 
+@fewer_gc_passes
 def simulate_fleet(
     requests: Sequence[WorkloadRequest],
     config: EngineConfig,

@@ -45,6 +45,7 @@ from sarazmq.sim.common import (
     admit,
     check_run_inputs,
     collect,
+    fewer_gc_passes,
     iteration_sample,
 )
 
@@ -150,6 +151,7 @@ class _Flight:
     spans: tuple[Span, ...]
 
 
+@fewer_gc_passes
 def simulate_pipeline(
     requests: Sequence[WorkloadRequest],
     scheduler: Scheduler,

@@ -44,6 +44,7 @@ from sarazmq.sim.common import (
     admit,
     check_run_inputs,
     collect,
+    fewer_gc_passes,
     iteration_sample,
 )
 from sarazmq.sim.pipeline import Span, pipeline_stats, simulate_pipeline
@@ -75,6 +76,7 @@ class ReplayLatency:
         return d
 
 
+@fewer_gc_passes
 def simulate(
     requests: Sequence[WorkloadRequest],
     scheduler: Scheduler,
