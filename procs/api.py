@@ -28,7 +28,7 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
     dep = spec.deployment
     if dep.http_port is None:
         raise ValueError("the api process needs DeploymentConfig.http_port")
-    tokenizer = load_tokenizer(resolve_model(spec.config.model))
+    tokenizer = load_tokenizer(resolve_model(spec.config.model, spec.config.load_format))
     # SIGTERM (from the launcher, after the drain) stops the server gracefully
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

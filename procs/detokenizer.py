@@ -15,7 +15,9 @@ from sarazmq.protocol.engine import DetokenizerInbound, OutputBatch, StopStringH
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
-    service = DetokenizerService(load_tokenizer(resolve_model(spec.config.model)))
+    service = DetokenizerService(
+        load_tokenizer(resolve_model(spec.config.model, spec.config.load_format))
+    )
     inbound = pull_socket(ctx, spec.own.detokenizers[spec.index])
     frontend = push_socket(ctx, spec.endpoints.frontend_in)
     scheduler = push_socket(ctx, spec.own.scheduler_in)

@@ -77,7 +77,7 @@ class ClientSender:
 
 async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
     cfg, dep = spec.config, spec.deployment
-    tokenizer = load_tokenizer(resolve_model(cfg.model))
+    tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.load_format))
     frontend = FrontendService(
         PromptTokenizer(
             tokenizer,

@@ -16,6 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 # "auto": the model's dtype; "int8": rows of int8 values and a scale (sarazmq.kernels.kv_int8)
 KV_CACHE_DTYPES = ("auto", "int8")
+#: "auto": the model's weights; "dummy": random weights of its shapes (`--load-format`)
+LOAD_FORMATS = ("auto", "dummy")
 RESTART_POLICIES = ("no", "on-failure")
 #: how a request is routed to one of several engine instances (`sarazmq.router`)
 ROUTER_POLICIES = ("round-robin", "least-load", "cache-aware")
@@ -153,6 +155,9 @@ class EngineConfig:
     every command, the simulator); `sarazmq.resolve` fills in what "auto"/0 leave open."""
 
     model: str = DEFAULT_MODEL
+    # "dummy": random weights of the model's shapes; `model` may then name an architecture
+    # (sarazmq.model.architectures), the tokenizer being the default model's
+    load_format: str = "auto"
     # "auto": bfloat16 where the hardware computes it natively, else float32 (resolve_dtype)
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
@@ -183,6 +188,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"unknown load format {self.load_format!r}; choose one of {LOAD_FORMATS}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "

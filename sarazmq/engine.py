@@ -67,7 +67,7 @@ class LLMEngine:
             )
         self.config, self.model_config = resolve_engine_config(config)
         log.info("engine: %s", describe_dtype(config.dtype, self.config.dtype))
-        tokenizer = load_tokenizer(resolve_model(self.config.model))
+        tokenizer = load_tokenizer(resolve_model(self.config.model, self.config.load_format))
         self.tokenizer = PromptTokenizer(
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len
         )

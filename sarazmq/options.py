@@ -23,6 +23,7 @@ from sarazmq.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     POLICIES,
     ROUTER_POLICIES,
     CacheConfig,
@@ -63,6 +64,16 @@ class EngineOptions:
 
     model: str = _option(
         EngineConfig.model, Flag("--model", "model name, .gguf file, or Hugging Face folder")
+    )
+    load_format: str = _option(
+        EngineConfig.load_format,
+        Flag(
+            "--load-format",
+            "auto: the model's weights; dummy: random weights of its shapes, to measure speed "
+            "at real sizes without a checkpoint (--model may then name an architecture: "
+            "llama-2-7b, llama-3-8b, mistral-7b, smollm2-135m, ...)",
+            LOAD_FORMATS,
+        ),
     )
     scheduler: str = _option(
         SchedulerConfig.policy, Flag("--scheduler", "batching policy", POLICIES, sim=True)
@@ -243,6 +254,7 @@ class EngineOptions:
         construction of `EngineConfig` (see the module docstring)."""
         return EngineConfig(
             model=self.model,
+            load_format=self.load_format,
             dtype=self.dtype,
             device=self.device,
             attention_backend=self.attention_backend,

@@ -60,7 +60,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
     Returns the resolved config (no field left on "auto"/0, dtype included) and the
     model's architecture.
     """
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, config.load_format)
     model_config = load_model_config(source)
     tp = config.tensor_parallel_size
     for name, heads in (

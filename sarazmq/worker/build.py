@@ -51,7 +51,7 @@ def build_model_runner(
     )
     log.info("worker %d: %s", rank, attention_reason)
     model = load_model(
-        resolve_model(config.model),
+        resolve_model(config.model, config.load_format),
         model_config,
         dtype,
         device,
