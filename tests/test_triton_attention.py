@@ -323,3 +323,19 @@ def test_tiny_model_steps_match_the_torch_backend() -> None:
             logits.append(model.compute_logits(model(tokens, meta.positions, caches, meta)))
     for ref, out in zip(logits[:2], logits[2:], strict=True):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_device_checks_kernel_part_runs_on_the_cpu() -> None:
+    """scripts/gpu_check.py's kernel part (what a lent GPU runs first) on this CPU, under
+    the interpreter, so the script cannot rot while no device is lent."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    rows = gpu_check.part_kernels(torch.device("cpu"), quick=True)
+    results = [row.rsplit("|", 2)[-2].strip() for row in rows[2:]]
+    assert len(results) == 3 and set(results) == {"True"}, rows
