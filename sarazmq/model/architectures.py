@@ -104,6 +104,21 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         # Falcon-180B: multi-query groups of 8 KV heads, a plain 4x GELU MLP
         Architecture("falcon-180b", 80, 14848, 232, 8, 64, 59392, 65024, gated_mlp=False),
+        # Llama-3.2-1B (its 128k context needs llama3 rope scaling, which these shapes
+        # leave out: the random-weight model keeps to 8k)
+        Architecture(
+            "llama-3.2-1b",
+            16,
+            2048,
+            32,
+            8,
+            64,
+            8192,
+            128256,
+            tied_embeddings=True,
+            max_position=8192,
+            rope_theta=5e5,
+        ),
         # the default model here (SmolLM2-135M-Instruct)
         Architecture(
             "smollm2-135m",
