@@ -16,6 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 # "auto": the model's dtype; "int8": rows of int8 values and a scale (sarazmq.kernels.kv_int8)
 KV_CACHE_DTYPES = ("auto", "int8")
+# how matmuls on a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks compute (EngineConfig.gguf_matmul)
+GGUF_MATMULS = ("float", "int8")
 RESTART_POLICIES = ("no", "on-failure")
 #: how a request is routed to one of several engine instances (`sarazmq.router`)
 ROUTER_POLICIES = ("round-robin", "least-load", "cache-aware")
@@ -177,10 +179,19 @@ class EngineConfig:
     # co-located, every instance does both)
     prefill_instances: int = 0
     decode_instances: int = 0
+    # matmuls on a GGUF checkpoint's quantized blocks (CPU, float32): "float" rebuilds the
+    # float32 weights (bitwise the dequantized model); "int8" quantizes the activations per
+    # 32-block and takes integer dot products, llama.cpp's way and precision
+    # (sarazmq.kernels.int8_dot; the fused decode step is then not used)
+    gguf_matmul: str = "float"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
+        if self.gguf_matmul not in GGUF_MATMULS:
+            raise ValueError(
+                f"unknown gguf_matmul {self.gguf_matmul!r}; choose one of {GGUF_MATMULS}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
