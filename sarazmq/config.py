@@ -182,7 +182,7 @@ class EngineConfig:
     # matmuls on a GGUF checkpoint's quantized blocks (CPU, float32): "float" rebuilds the
     # float32 weights (bitwise the dequantized model); "int8" quantizes the activations per
     # 32-block and takes integer dot products, llama.cpp's way and precision
-    # (sarazmq.kernels.int8_dot; the fused decode step is then not used)
+    # (sarazmq.kernels.int8_dot), on every row but the fused decode step's (float)
     gguf_matmul: str = "float"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

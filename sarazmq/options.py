@@ -169,7 +169,8 @@ class EngineOptions:
             "--gguf-matmul",
             "matmuls on a GGUF model's Q4_0/Q4_1/Q8_0 blocks (CPU, float32): float rebuilds "
             "the float32 weights (bitwise the dequantized model); int8 quantizes activations "
-            "per 32-block and takes integer dot products (llama.cpp's precision)",
+            "per 32-block and takes integer dot products (llama.cpp's precision) for prefill "
+            "and mixed batches, decode-only steps staying on the fused float step",
             GGUF_MATMULS,
         ),
     )

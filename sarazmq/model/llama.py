@@ -455,9 +455,10 @@ class LlamaForCausalLM(nn.Module):
         """How matmuls on the quantized blocks compute (`EngineConfig.gguf_matmul`):
         "float" (the float32 weights rebuilt: bitwise the plain model) or "int8" (every row
         of a float32 model by int8 dot products, sarazmq.kernels.int8_dot: llama.cpp's
-        precision). Returns how many matmul weights now take int8; the fused decode and
-        hybrid steps (which read the blocks as float) are the caller's to turn off then
-        (`fused_decode`). ValueError for another mode."""
+        precision). Returns how many matmul weights now take int8. The fused decode step
+        (decode-only steps, `fused_decode`) still reads the blocks as float32 weights:
+        int8 covers the per-op rows (prefill chunks, mixed batches, decode batches the
+        fused step does not take). ValueError for another mode."""
         if mode not in ("float", "int8"):
             raise ValueError(f"unknown gguf_matmul {mode!r}; choose 'float' or 'int8'")
         count = 0
