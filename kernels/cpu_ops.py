@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .block_quant import block_quant_covers, block_quant_linear
+from .int8_dot import int8_block_linear
 from .linear_amx import (
     amx_linear_available,
     linear_tiles,
@@ -60,6 +61,26 @@ _GEMV_KERNEL_ROWS = 8  # GEMV_MAX_ROWS of kernels.h: the most rows one call take
 _GEMV_ARGTYPES = [_P, _L, _P, _P, _L, _I, _I, _I]
 
 
+def int8_blocks_linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor | None:
+    """x [T, in] float32 @ the owner's blocks^T (+ bias) -> [T, out] by int8 dot products
+    where the owner is set to (`LinearWeight.int8_blocks`); None where it is not, or for
+    rows the kernel does not take (another dtype or device, a build without it)."""
+    blocks = weight.blocks
+    if (
+        not weight.int8_blocks
+        or blocks is None
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or x.shape[1] != weight.in_features
+    ):
+        return None
+    out = int8_block_linear(x, blocks)  # [T, out]
+    if out is not None and weight.bias is not None:
+        out += weight.bias
+    return out
+
+
 class HotOps:
     """The model's elementwise ops and matmuls, plain PyTorch (the reference for
     `NativeCpuOps`)."""
@@ -82,7 +103,11 @@ class HotOps:
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out], see
         `sarazmq.kernels.ops.linear`: through the owner's prepacked oneDNN weight where it
-        holds one, else its plain weight."""
+        holds one, else its plain weight; by int8 dot products on its blocks where it is
+        set to (`LinearWeight.int8_blocks`, float32 rows)."""
+        out = int8_blocks_linear(x, weight)
+        if out is not None:
+            return out
         return linear(x, weight.weight, weight.bias, weight.packed)
 
     def linear_into_f32(
@@ -229,7 +254,12 @@ class NativeCpuOps(HotOps):
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """x [T, in] -> [T, out] as `HotOps.linear`; 1 to `GEMV_MAX_ROWS` rows of a
         bias-free weight read its blocks where it holds them, else its plain weight
-        through the C matrix-vector kernel; more rows its AMX tiles where it holds them."""
+        through the C matrix-vector kernel; more rows its AMX tiles where it holds them.
+        Every row reads the blocks by int8 dot products where the owner is set to
+        (`LinearWeight.int8_blocks`)."""
+        out = int8_blocks_linear(x, weight)
+        if out is not None:
+            return out
         fn = self._fns.get(("gemv", x.dtype))
         if (
             fn is None

@@ -12,7 +12,9 @@ A matmul weight [out_features, in_features] of the model can be held four ways:
   read it (`NativeCpuOps`): it streams the weights where oneDNN stalls on them;
 - blocks: the GGUF checkpoint's own Q4_0 / Q4_1 / Q8_0 blocks of the same values
   (`attach_blocks`, `sarazmq.kernels.block_quant`), which decode rows read: bitwise the
-  plain kernel's result from a fraction of the bytes.
+  plain kernel's result from a fraction of the bytes; with `int8_blocks` set, every row
+  reads them by int8 dot products instead (`sarazmq.kernels.int8_dot`, llama.cpp's
+  precision).
 
 The owner keeps them together with the weight's optional bias, reports the bytes
 each holds (`variant_bytes`), and can free the plain copy (`drop_plain`) once every path
@@ -70,6 +72,9 @@ class LinearWeight(nn.Module):
         self.packed: torch.Tensor | None = None  # opaque oneDNN tensor (`prepack`)
         self.tiles: torch.Tensor | None = None  # the AMX kernel's layout (`prepack`)
         self.blocks: BlockQuantWeight | None = None  # the checkpoint's blocks (`attach_blocks`)
+        # True: every row reads the blocks by integer dot products (float32 only,
+        # `sarazmq.kernels.int8_dot`: llama.cpp's precision, not the plain weight's result)
+        self.int8_blocks = False
 
     @classmethod
     def empty(
@@ -184,6 +189,7 @@ class LinearWeight(nn.Module):
         if self.blocks is not None and self.weight is None:
             raise ValueError("the plain weight was dropped: decode rows read the blocks")
         self.blocks = None
+        self.int8_blocks = False
 
     # ------------------------------------------------------------------ accounting
 

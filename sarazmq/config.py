@@ -18,6 +18,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 KV_CACHE_DTYPES = ("auto", "int8")
 #: "auto": the model's weights; "dummy": random weights of its shapes (`--load-format`)
 LOAD_FORMATS = ("auto", "dummy")
+# how matmuls on a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks compute (EngineConfig.gguf_matmul)
+GGUF_MATMULS = ("float", "int8")
 RESTART_POLICIES = ("no", "on-failure")
 #: how a request is routed to one of several engine instances (`sarazmq.router`)
 ROUTER_POLICIES = ("round-robin", "least-load", "cache-aware")
@@ -182,10 +184,19 @@ class EngineConfig:
     # co-located, every instance does both)
     prefill_instances: int = 0
     decode_instances: int = 0
+    # matmuls on a GGUF checkpoint's quantized blocks (CPU, float32): "float" rebuilds the
+    # float32 weights (bitwise the dequantized model); "int8" quantizes the activations per
+    # 32-block and takes integer dot products, llama.cpp's way and precision
+    # (sarazmq.kernels.int8_dot), on every row but the fused decode step's (float)
+    gguf_matmul: str = "float"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
+        if self.gguf_matmul not in GGUF_MATMULS:
+            raise ValueError(
+                f"unknown gguf_matmul {self.gguf_matmul!r}; choose one of {GGUF_MATMULS}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.load_format not in LOAD_FORMATS:

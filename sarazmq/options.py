@@ -22,6 +22,7 @@ from typing import Any
 from sarazmq.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    GGUF_MATMULS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     POLICIES,
@@ -173,6 +174,17 @@ class EngineOptions:
             KV_CACHE_DTYPES,
         ),
     )
+    gguf_matmul: str = _option(
+        EngineConfig.gguf_matmul,
+        Flag(
+            "--gguf-matmul",
+            "matmuls on a GGUF model's Q4_0/Q4_1/Q8_0 blocks (CPU, float32): float rebuilds "
+            "the float32 weights (bitwise the dequantized model); int8 quantizes activations "
+            "per 32-block and takes integer dot products (llama.cpp's precision) for prefill "
+            "and mixed batches, decode-only steps staying on the fused float step",
+            GGUF_MATMULS,
+        ),
+    )
     num_kv_blocks: int = _option(
         CacheConfig.num_blocks,
         Flag(
@@ -267,6 +279,7 @@ class EngineOptions:
             decode_instances=self.decode_instances if self.disaggregate else 0,
             num_threads=self.num_threads,
             seed=self.seed,
+            gguf_matmul=self.gguf_matmul,
             scheduler=SchedulerConfig(
                 policy=self.scheduler,
                 chunk_size=self.chunk_size,

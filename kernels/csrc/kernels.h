@@ -51,6 +51,19 @@ int gemv_q4_bf16(const uint16_t *x, long x_stride, const void *qs, const float *
 int gemv_q8_bf16(const uint16_t *x, long x_stride, const void *qs, const float *scales,
                  uint16_t *y, long y_stride, int M, int N, int K);
 
+/* int8_dot.c: llama.cpp-style integer-dot matmuls on block_quant.c's weight layouts (see
+ * the file). int8_quantize_rows: x float32 [M, K] (row stride x_stride) -> xq int8 [M, K],
+ * xd (scale) and xs (scale * sum of the block's q) float32 [M, K/32]. int8_block_matmul:
+ * y [M, N] (row stride y_stride) = xq . W^T, kind 4 (Q4 layout) or 8 (Q8 layout).
+ * portable = 1: the plain C loops (int8_dot_avx2_built says whether the other exists). */
+int int8_dot_avx2_built(void);
+long int8_peak_probe(long iters, int int8);
+int int8_quantize_rows(const float *x, long x_stride, int M, int K, int8_t *xq, float *xd,
+                       float *xs, int portable);
+int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *xs, int M,
+                      int K, const void *qs, const float *scales, float *y, long y_stride,
+                      int N, int portable);
+
 /* decode_attention_avx2.c: one float32 decode work item on AVX2 builds; 1 done, 0 not
  * taken (another build, head size or item size) */
 int decode_item_avx2_f32(int D, int G, const float *q, long q_stride, const float *k_cache,

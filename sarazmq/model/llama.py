@@ -451,6 +451,23 @@ class LlamaForCausalLM(nn.Module):
         self.one_call_steps.forget()  # rebuilt with the blocks
         return count
 
+    def set_gguf_matmul(self, mode: str) -> int:
+        """How matmuls on the quantized blocks compute (`EngineConfig.gguf_matmul`):
+        "float" (the float32 weights rebuilt: bitwise the plain model) or "int8" (every row
+        of a float32 model by int8 dot products, sarazmq.kernels.int8_dot: llama.cpp's
+        precision). Returns how many matmul weights now take int8. The fused decode step
+        (decode-only steps, `fused_decode`) still reads the blocks as float32 weights:
+        int8 covers the per-op rows (prefill chunks, mixed batches, decode batches the
+        fused step does not take). ValueError for another mode."""
+        if mode not in ("float", "int8"):
+            raise ValueError(f"unknown gguf_matmul {mode!r}; choose 'float' or 'int8'")
+        count = 0
+        for _, w in self.matmul_weights():
+            w.int8_blocks = mode == "int8" and w.blocks is not None and w.dtype == torch.float32
+            count += w.int8_blocks
+        self.one_call_steps.forget()
+        return count
+
     def clear_block_quant_weights(self) -> None:
         """Forgets every matmul's quantized blocks (decode rows read the plain weights
         again: the same results). ValueError where a plain weight was dropped."""

@@ -1,0 +1,72 @@
+"""The default GGUF model with `gguf_matmul="int8"` (llama.cpp-style integer dot products on
+its Q4_1 blocks, sarazmq.kernels.int8_dot): its greedy tokens mostly agree with the float
+path's, and the option is validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from sarazmq import LLM, SamplingParams
+from sarazmq.cli import main
+from sarazmq.cli.options import engine_config
+from sarazmq.config import EngineConfig
+from sarazmq.kernels.int8_dot import int8_dot_available
+from sarazmq.options import EngineOptions, option_flags
+
+torch.set_num_threads(1)
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about autumn leaves falling.",
+    "def add(a, b):",
+    "In 1969, the first humans",
+    "A list of fruits: apple, banana,",
+    "The mitochondria is the",
+]
+
+
+def test_option_and_config() -> None:
+    assert EngineOptions().gguf_matmul == "float" == EngineConfig().gguf_matmul
+    assert EngineOptions(gguf_matmul="int8").to_config().gguf_matmul == "int8"
+    flags = {flag.name: flag for _, flag in option_flags()}
+    assert flags["--gguf-matmul"].choices == ("float", "int8")
+    with pytest.raises(ValueError, match="gguf_matmul"):
+        EngineOptions(gguf_matmul="int4").to_config()
+    assert engine_config({"gguf_matmul": "int8"}).gguf_matmul == "int8"
+    r = CliRunner().invoke(main, ["serve", "--gguf-matmul", "int4"])
+    assert r.exit_code == 2 and "'--gguf-matmul'" in r.output and "int4" in r.output
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    """The fraction of positions up to the first difference (greedy runs diverge there)."""
+    same = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        same += 1
+    return same / max(len(a), len(b), 1)
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
+def test_int8_greedy_tokens_mostly_agree_with_float() -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for mode in ("float", "int8"):
+        llm = LLM(
+            dtype="float32",
+            max_model_len=512,
+            num_kv_blocks=256,
+            max_num_seqs=8,
+            num_threads=1,
+            gguf_matmul=mode,
+        )
+        runs[mode] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+        del llm
+    agree = [_agreement(f, i) for f, i in zip(runs["float"], runs["int8"], strict=True)]
+    first = sum(f[0] == i[0] for f, i in zip(runs["float"], runs["int8"], strict=True))
+    print(f"int8 vs float greedy: common prefix {agree}, first tokens equal {first}/6")
+    assert first >= 5
+    assert sum(agree) / len(agree) >= 0.5, agree
