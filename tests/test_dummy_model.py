@@ -63,3 +63,9 @@ def test_a_dummy_engine_generates_every_requested_token() -> None:
     assert all(o.finish_reason == "length" and not o.error for o in outs[:2])
     # a prompt outside the dummy's vocabulary is refused by name, the others unharmed
     assert outs[2].finish_reason == "error" and "[0, 49152)" in outs[2].error
+
+
+def test_the_api_command_names_the_load_format_an_architecture_needs() -> None:
+    args = ["api", "--connect", "tcp://127.0.0.1:1", "--model", "llama-2-7b"]
+    result = CliRunner().invoke(cli_main, args)
+    assert result.exit_code != 0 and "--load-format dummy" in result.output

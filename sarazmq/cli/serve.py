@@ -13,6 +13,7 @@ from sarazmq.cli.options import engine_config, engine_options, http_options, rea
 from sarazmq.config import (
     DEFAULT_CLIENT_TIMEOUT_S,
     DEFAULT_MODEL,
+    LOAD_FORMATS,
     RESTART_POLICIES,
     CurveKeys,
     DeploymentConfig,
@@ -276,6 +277,13 @@ def keys(directory: str, name: str) -> None:
     help="the deployment's model (its name is the served model id; its tokenizer shows "
     "logprob tokens)",
 )
+@click.option(
+    "--load-format",
+    default="auto",
+    show_default=True,
+    type=click.Choice(LOAD_FORMATS),
+    help="as the deployment's (dummy: --model may name an architecture)",
+)
 @click.option("--max-model-len", default=0, show_default=True, help="0: the model's context")
 @click.option(
     "--curve-server-key-file",
@@ -292,6 +300,7 @@ def api(
     api_key_file: str | None,
     max_body_mb: float,
     model: str,
+    load_format: str,
     max_model_len: int,
     curve_server_key_file: str | None,
     log_level: str,
@@ -307,7 +316,7 @@ def api(
     key = read_api_key(api_key, api_key_file)
     try:
         check_http_bind(http_host, key)
-        source = resolve_model(model)
+        source = resolve_model(model, load_format)
         context = max_model_len or load_model_config(source).max_position
         tokenizer = load_tokenizer(source)
     except (OSError, ValueError) as e:
