@@ -288,7 +288,7 @@ def test_startup_prints_the_choice(
         raise _Stop
 
     # the log line comes before the model loads: stop there
-    monkeypatch.setattr(build, "resolve_model", lambda model: model)
+    monkeypatch.setattr(build, "resolve_model", lambda model, load_format="auto": model)
     monkeypatch.setattr(build, "load_model", stop)
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="triton")
     with caplog.at_level(logging.INFO, logger=build.__name__), pytest.raises(_Stop):
