@@ -258,3 +258,19 @@ def test_first_iterations_of_a_process_are_ignored() -> None:
     for n in (16, 32, 64, 128, 256, 16, 32, 64):
         online.observe(IterationShape(num_prefill_tokens=n, num_prefill_seqs=1), 0.001 + 1e-5 * n)
     assert online.predict(shape) == pytest.approx(0.001 + 1e-5 * 64, rel=0.05)
+
+
+def test_records_show_the_adaptive_budget_below_the_chunk() -> None:
+    """Under a TBT target each record carries the budget the latency model chose: below
+    chunk_size once decodes pile up, and never less than the tokens it ran."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    clock = [0.0]
+    sched = make_scheduler(clock, tbt_slo=0.02)
+    run(sched, clock)
+    for i in range(24):
+        sched.add_request(f"r{i}", [i + 1] * (50 + 60 * i), params)
+    run(sched, clock)
+    mixed = [r for r in sched.iteration_records if r.num_decode_tokens and r.num_prefill_tokens]
+    assert mixed
+    assert all(r.num_prefill_tokens + r.num_decode_tokens <= r.token_budget for r in mixed)
+    assert min(r.token_budget for r in mixed) < 256  # the chunk shrank under the target

@@ -236,3 +236,29 @@ def test_simple_chunking_alternates() -> None:
     assert "prefill" in ks and "decode" in ks
     # a 41-token prompt is split into chunks of at most 8
     assert any(n == chunk and start > 0 for it in res.iters for _, start, n in it.prefill_chunks)
+
+
+# ---------------------------------------------------------------- token budget records
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_iteration_records_carry_the_policys_token_budget(policy: str) -> None:
+    """What the dashboard draws as unused budget: every iteration record says the token
+    budget its policy worked under, and the iteration never holds more than it."""
+    sched = make(policy, chunk_size=16, max_model_len=128)
+    drive(sched, mixed_workload())
+    records = list(sched.iteration_records)
+    assert records
+    for rec in records:
+        tokens = rec.num_prefill_tokens + rec.num_decode_tokens
+        prefill_only = rec.num_prefill_tokens and not rec.num_decode_tokens
+        if policy == "sarathi":  # chunk_size, or all decodes when they alone exceed it
+            assert rec.token_budget == max(16, rec.num_decode_tokens)
+        elif policy == "vllm":  # whole-prompt batches up to max_model_len; decodes unbounded
+            assert rec.token_budget == (128 if rec.num_prefill_tokens else 0)
+        elif policy == "simple_chunking":
+            assert rec.token_budget == (16 if prefill_only else 0)
+        else:  # orca, fastertransformer: no token budget at all
+            assert rec.token_budget == 0
+        if rec.token_budget:
+            assert tokens <= rec.token_budget

@@ -34,7 +34,7 @@ class InflightPlan:
 
     reqs: the scheduled requests by seq_id; start: scheduler clock when it was built;
     num_preempted: preemptions while building it; cache: its admissions' prefix-cache
-    counters; shape: its `IterationShape`.
+    counters; shape: its `IterationShape`; token_budget: the policy's (`BatchDecision`).
     """
 
     plan: BatchPlan
@@ -43,6 +43,7 @@ class InflightPlan:
     num_preempted: int
     cache: PrefixCacheCounters
     shape: IterationShape
+    token_budget: int = 0
 
     def record(
         self,
@@ -73,6 +74,7 @@ class InflightPlan:
             num_sampled=self.shape.num_sampled,
             stage_busy_s=list(result.stage_busy_s) or [result.forward_s],
             stage_wait_s=list(result.stage_wait_s),
+            token_budget=self.token_budget,
         )
 
 
@@ -212,4 +214,6 @@ def build_plan(
 
     plan = BatchPlan(step=step, new_seqs=new_seqs, scheduled=scheduled, freed_seq_ids=freed_seq_ids)
     shape = shape_of_plan(plan, len(decision.decodes))
-    return InflightPlan(plan, reqs, start, num_preempted, cache_step, shape)
+    return InflightPlan(
+        plan, reqs, start, num_preempted, cache_step, shape, decision.token_budget
+    )

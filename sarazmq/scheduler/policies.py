@@ -62,6 +62,9 @@ class BatchDecision:
     admitted: requests admitted this iteration (their first chunk is in `prefills`).
     preempted: requests preempted this iteration (already back in waiting).
     new_blocks: seq_id -> block ids allocated this iteration.
+    token_budget: the tokens the policy let this iteration hold (decodes + the prefill
+    tokens it could have scheduled); 0 when no token budget bounded it (Orca,
+    FasterTransformer, decode-only iterations of vLLM and simple chunking).
     """
 
     decodes: list[Request] = field(default_factory=list)
@@ -69,6 +72,7 @@ class BatchDecision:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    token_budget: int = 0
 
     @property
     def empty(self) -> bool:
@@ -234,6 +238,7 @@ class SarathiPolicy(Policy):
             budget = ctx.prefill_budget(out.decodes, _first_prefill_start(ctx))
         else:
             budget = self.chunk_size - len(out.decodes)
+        out.token_budget = len(out.decodes) + max(budget, 0)
         if budget > 0:
             budget = self._schedule_running_prefills(ctx, out, budget)
             self._admit(ctx, out, budget, whole=False)
@@ -249,8 +254,10 @@ class VllmPolicy(Policy):
 
     def schedule(self, ctx: ScheduleContext) -> BatchDecision:
         out = BatchDecision()
-        self._admit(ctx, out, max(self.chunk_size, self.max_model_len), whole=True)
+        limit = max(self.chunk_size, self.max_model_len)
+        self._admit(ctx, out, limit, whole=True)
         if out.prefills:
+            out.token_budget = limit
             return out
         self._schedule_decodes(ctx, out)
         return out
@@ -301,6 +308,8 @@ class SimpleChunkingPolicy(Policy):
     def _prefill(self, ctx: ScheduleContext, out: BatchDecision) -> None:
         budget = self._schedule_running_prefills(ctx, out, self.chunk_size)
         self._admit(ctx, out, budget, whole=False)
+        if out.prefills:
+            out.token_budget = self.chunk_size
 
     def schedule(self, ctx: ScheduleContext) -> BatchDecision:
         out = BatchDecision()

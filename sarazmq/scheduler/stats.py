@@ -22,6 +22,8 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     num_sampled: the rest of its `IterationShape`.
     stage_busy_s / stage_wait_s: per pipeline stage, seconds it computed this plan / waited
     for its incoming activations (`StepResult`); one stage without pipeline parallelism.
+    token_budget: the tokens the policy let the iteration hold (`BatchDecision`; under
+    --tbt-slo the adaptive budget's choice); 0 when no token budget bounded it.
     """
 
     step: int
@@ -43,6 +45,7 @@ class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     num_sampled: int = 0
     stage_busy_s: list[float] = []
     stage_wait_s: list[float] = []
+    token_budget: int = 0
 
     def shape(self) -> IterationShape:
         """The iteration's shape (what the latency model predicts from)."""
