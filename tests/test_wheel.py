@@ -183,6 +183,15 @@ def test_installed_serve_answers_a_completion(venv: Path, tmp_path: Path) -> Non
         assert answer is not None, log.read_text()
         assert answer["choices"][0]["text"]
         assert answer["usage"]["completion_tokens"] == 4
+        # the pages' assets ship in the wheel (package data), not only in the source tree
+        for path, marker in (
+            ("/dashboard", b"engine-template"),
+            ("/chat", b"/static/chat.js"),
+            ("/static/dashboard.js", b"drawChart"),
+            ("/static/style.css", b"--prefill"),
+        ):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:
+                assert marker in resp.read(), path
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:

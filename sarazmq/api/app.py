@@ -24,9 +24,11 @@ from starlette.routing import Route
 
 from sarazmq import __version__
 from sarazmq.api import responses
+from sarazmq.api.dashboard import DashboardFeed, DashboardHub, DashboardSettings
 from sarazmq.api.encoding import BodyTooLarge, decode_body, json_response, read_body
 from sarazmq.api.errors import APIError
 from sarazmq.api.metrics import ServerMetrics
+from sarazmq.api.pages import dashboard_data_routes, page_routes
 from sarazmq.api.schemas import (
     UNBOUNDED_MAX_TOKENS,
     ChatCompletionRequest,
@@ -54,7 +56,8 @@ class APIConfig:
     endpoint: the deployment's public endpoint; model_name: the served model's id (what
     clients put in "model"); max_model_len: the context, for /v1/models; api_key: the
     bearer key /v1/ requires (None: open); max_body_bytes: the largest request body;
-    curve_server_key: the deployment's CurveZMQ public key, if it has one.
+    curve_server_key: the deployment's CurveZMQ public key, if it has one;
+    dashboard: the /dashboard page's window and poll interval.
     """
 
     endpoint: str
@@ -64,6 +67,7 @@ class APIConfig:
     max_body_bytes: int = 4 << 20
     curve_server_key: bytes | None = None
     health_timeout: float = 10.0
+    dashboard: DashboardSettings = DashboardSettings()
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -78,6 +82,9 @@ class OpenAIServer:
         self.token_text = token_text
         self.metrics = ServerMetrics(config.model_name)
         self.client: AsyncClient | None = None
+        self.dashboard = DashboardHub(
+            DashboardFeed(config.model_name, config.dashboard), self._dashboard_stats
+        )
 
     # ---- app ---------------------------------------------------------------------
 
@@ -93,6 +100,8 @@ class OpenAIServer:
                 self._errors(self._auth(self.chat_completions)),
                 methods=["POST"],
             ),
+            *dashboard_data_routes(self.dashboard, lambda h: self._errors(self._auth(h))),
+            *page_routes(),
         ]
 
         async def not_found(request: Request, exc: Exception) -> Response:
@@ -117,6 +126,7 @@ class OpenAIServer:
         try:
             yield
         finally:
+            await self.dashboard.close()
             await self.client.close()
 
     def _engine(self) -> AsyncClient:
@@ -197,6 +207,9 @@ class OpenAIServer:
             "max_model_len": self.config.max_model_len,
         }
         return json_response({"object": "list", "data": [card]})
+
+    async def _dashboard_stats(self, iterations_from: int) -> dict[str, Any]:
+        return await self._engine().stats(timeout=5.0, iterations_from=iterations_from)
 
     async def prometheus(self, request: Request) -> Response:
         step = self.metrics.next_step
@@ -298,6 +311,7 @@ class OpenAIServer:
 
     def _finished(self, out: RequestOutput) -> None:
         self.metrics.observe_request(out)
+        self.dashboard.feed.observe_request(out.arrival_time, out.token_times)
 
     async def _collect(self, request: Request, gens: list[Generation]) -> list[RequestOutput]:
         """Runs every generation to its end; a client that disconnects first cancels them

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sarazmq.api.cursor import IterationCursor
 from sarazmq.outputs import RequestOutput
 
 PREFIX = "sarazmq:"
@@ -144,8 +145,12 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "tokens per engine iteration", TOKEN_BUCKETS
         )
-        self.next_step = -1  # first iteration record not yet observed (-1: none read yet)
-        self._next: dict[int, int] = {}  # per replica: its next step to observe
+        self.cursor = IterationCursor()  # iteration records not yet in the histogram
+
+    @property
+    def next_step(self) -> int:
+        """The first iteration record not yet observed (-1: none read yet)."""
+        return self.cursor.next_step
 
     def observe_request(self, out: RequestOutput) -> None:
         """A request this server handled has finished: its counts and latencies."""
@@ -162,26 +167,12 @@ class ServerMetrics:
         self.e2e.labels(label).observe(max(0.0, times[-1] - out.arrival_time))
 
     def observe_stats(self, stats: Mapping[str, Any]) -> None:
-        """The scheduler's stats (with "iterations" since `next_step` when asked for).
-        With several replicas step numbers are per replica ("instance" in each record),
-        so each has its own cursor and `next_step` is the lowest of them."""
+        """The scheduler's stats (with "iterations" since `next_step` when asked for);
+        the first stats seen start the count (not the engine's whole history)."""
         self._scheduler.stats = stats
-        for it in stats.get("iterations", []):
-            instance = int(it.get("instance", 0))
-            step = int(it.get("step", 0))
-            if step < self._next.get(instance, self.next_step):
-                continue
+        for it in self.cursor.take(stats):
             tokens = int(it.get("num_prefill_tokens", 0)) + int(it.get("num_decode_tokens", 0))
             self.iteration_tokens.labels(self.model_name).observe(tokens)
-            self._next[instance] = step + 1
-        for r in stats.get("replicas") or [{"instance": 0, **stats}]:
-            instance, done = int(r["instance"]), int(r.get("num_iterations", 0))
-            # first scrape: count from here on, not the engine's whole history; a replica
-            # that restarted numbers its steps from 0 again
-            if self.next_step < 0 or self._next.get(instance, 0) > done + 1:
-                self._next[instance] = done + 1
-        if self._next:
-            self.next_step = min(self._next.values())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
