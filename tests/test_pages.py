@@ -184,8 +184,8 @@ def test_dashboard_shows_a_running_replay_and_agrees_with_metrics(root: str, bro
         metric(text, "prefix_cache_queries_total"),
     )
     assert text_of(browser, "section.engine .hits") == f"{int(hits)} / {int(queries)}"
-    assert text_of(browser, "#ttft-p50").endswith("ms")
-    assert text_of(browser, "#tbt-p99").endswith("ms")
+    for card in ("#ttft-p50", "#ttft-p99", "#tbt-p50", "#tbt-p99"):  # a window of requests
+        assert re.fullmatch(r"[0-9.]+ m?s", text_of(browser, card)), card
     assert browser.find_element(By.ID, "status").get_attribute("class") == "status live"
 
 

@@ -8,14 +8,19 @@ import asyncio
 import csv
 import dataclasses
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
 from sarazmq.cli import main
 from sarazmq.cli.workload_options import workload_spec
 from sarazmq.config import CacheConfig, EngineConfig, SchedulerConfig
+from sarazmq.procs.endpoints import free_tcp_port
 from sarazmq.replay.describe import describe
 from sarazmq.replay.driver import clock_check, replay, replay_detailed
 from sarazmq.replay.metrics import RequestRecord, summarize
@@ -306,3 +311,60 @@ def test_cli_replay_rejects_bad_arguments(extra: list[str], message: str) -> Non
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0
     assert message in result.output
+
+
+@pytest.mark.model
+def test_cli_replay_dashboard_shows_the_run(deployment, tmp_path: Path) -> None:
+    """`replay --dashboard` serves the page while the trace runs, pointed at the
+    deployment it replays against, and counts the replayed requests."""
+    port = free_tcp_port()
+    args = [
+        "replay", "fixed", "--connect", deployment.endpoint, "--max-requests", "4",
+        "--input-tokens", "150", "--output-tokens", "6", "--qps", "4",
+        "--output-dir", str(tmp_path / "run"), "--no-progress", "--dashboard",
+        "--dashboard-port", str(port), "--dashboard-linger", "3", *VOCAB_ARGS,
+    ]  # fmt: skip
+    result: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: result.update(out=CliRunner().invoke(main, args)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        snap = None
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            while time.monotonic() < deadline:
+                try:
+                    snap = http.get("/dashboard/state").json()
+                except httpx.HTTPError:
+                    snap = None
+                if snap and snap["requests"]["finished"] == 4:
+                    break
+                time.sleep(0.3)
+            assert snap is not None and snap["requests"]["finished"] == 4, snap
+            assert snap["label"] == deployment.endpoint and snap["api"] is False
+            its = snap["iterations"]["0"]
+            assert sum(i["prefill"] for i in its) >= 4 * 150 - 150  # the prompts ran here
+            assert all(i["prefill"] + i["decode"] <= i["budget"] for i in its)
+            assert snap["latency"]["num_requests"] == 4
+            assert http.get("/dashboard").status_code == 200
+    finally:
+        thread.join(timeout=120)
+    out = result["out"]
+    assert out.exit_code == 0, out.output  # type: ignore[attr-defined]
+    assert f"dashboard: http://127.0.0.1:{port}/dashboard" in out.output  # type: ignore[attr-defined]
+
+
+def test_cli_replay_dashboard_errors_are_one_line() -> None:
+    result = CliRunner().invoke(
+        main, ["replay", "fixed", "--dashboard", "--openai-url", "http://127.0.0.1:9/v1"]
+    )
+    assert result.exit_code != 0 and "that server's own /dashboard" in result.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["replay", "fixed", "--connect", "ipc:///nowhere", "--dashboard",
+                "--dashboard-port", str(port), "--vocab-size", "100", "--avoid-ids", ""]  # fmt: skip
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert f"the dashboard could not listen on 127.0.0.1:{port}" in result.output
+    assert "Traceback" not in result.output

@@ -99,7 +99,9 @@ def _engine_summary(s: Mapping[str, Any]) -> dict[str, Any]:
 class DashboardFeed:
     """The dashboard's state; thread-safe (a replay feeds it from another thread).
 
-    clock: seconds for the latency window (finish times of requests are taken on it).
+    clock: seconds for the latency window (finish times of requests are taken on it);
+    api: whether the page is served beside the OpenAI API (its links to /chat and
+    /metrics lead somewhere; not in `replay --dashboard`).
     """
 
     def __init__(
@@ -107,10 +109,12 @@ class DashboardFeed:
         model_name: str,
         settings: DashboardSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        api: bool = True,
     ) -> None:
         self.model_name = model_name
         self.settings = settings or DashboardSettings()
         self.clock = clock
+        self.api = api
         self.label = ""
         self._lock = threading.Lock()
         self._reset()
@@ -183,6 +187,7 @@ class DashboardFeed:
             return {
                 "model": self.model_name,
                 "label": self.label,
+                "api": self.api,
                 "error": self._error,
                 "age_s": now - self._polled_at if self._polled_at else None,
                 "interval_s": self.settings.interval_s,

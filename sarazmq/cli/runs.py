@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from sarazmq.replay.driver import ReplayOutcome, clock_check, replay_detailed
+from sarazmq.replay.driver import OnRecord, ReplayOutcome, clock_check, replay_detailed
 from sarazmq.replay.openai_driver import replay_openai
 from sarazmq.replay.workload import WorkloadRequest
 
@@ -48,9 +48,11 @@ def run_workload(
     description: str,
     *,
     warmup: bool = True,
+    on_record: OnRecord | None = None,
 ) -> ReplayOutcome:
     """Replays `requests` against a ZeroMQ endpoint, or (kw["openai_url"]) through an
-    OpenAI-compatible server's streaming API; warns about clocks and send lag."""
+    OpenAI-compatible server's streaming API; warns about clocks and send lag.
+    on_record: sees each request's record as it ends (ZeroMQ endpoints only)."""
     common = {
         "progress": kw["progress"],
         "concurrency_limit": kw["concurrency"],
@@ -67,7 +69,7 @@ def run_workload(
             )
         )
     else:
-        out = asyncio.run(replay_detailed(endpoint, requests, **common))
+        out = asyncio.run(replay_detailed(endpoint, requests, on_record=on_record, **common))
     warning = clock_check(out.records)
     if warning:
         click.echo(f"warning: {warning}", err=True)

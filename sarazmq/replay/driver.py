@@ -155,6 +155,8 @@ def warmup_prompt(first: WorkloadRequest) -> list[int]:
 
 
 SendOne = Callable[[WorkloadRequest, list[int]], Awaitable[RequestRecord]]
+#: called with each request's record as it finishes (e.g. `replay --dashboard`)
+OnRecord = Callable[[RequestRecord], None]
 
 
 async def drive(
@@ -164,10 +166,12 @@ async def drive(
     progress: bool,
     concurrency_limit: int | None,
     description: str,
+    on_record: OnRecord | None = None,
 ) -> tuple[list[RequestRecord], float, float]:
     """Sends each request at its arrival time (after the returned start instant) through
     `send_one`, at most `concurrency_limit` in flight; returns the records in workload
-    order, the start instant and the largest send lag."""
+    order, the start instant and the largest send lag. `on_record` sees each record as
+    its request ends."""
     n = len(requests)
     records: list[RequestRecord | None] = [None] * n
     limit = asyncio.Semaphore(concurrency_limit) if concurrency_limit else None
@@ -183,6 +187,8 @@ async def drive(
             if limit is not None:
                 limit.release()
         records[i] = rec
+        if on_record is not None:
+            on_record(rec)
         if rec.error:
             errors += 1
         bar.update(1)
@@ -225,6 +231,7 @@ async def replay_detailed(
     warmup: bool = True,
     heartbeat_timeout: float = 30.0,
     description: str = "replay",
+    on_record: OnRecord | None = None,
 ) -> ReplayOutcome:
     """Replays `requests` against the deployment at `endpoint` (see the module docstring).
 
@@ -236,6 +243,7 @@ async def replay_detailed(
     warmup: first send one short request and wait for it, outside the measured run.
     heartbeat_timeout: seconds of engine silence after which requests fail.
     description: the progress bar's label.
+    on_record: called with each request's record as it ends.
     """
     if concurrency_limit is not None and concurrency_limit < 1:
         raise ValueError(f"concurrency_limit={concurrency_limit} must be >= 1 or None")
@@ -264,6 +272,7 @@ async def replay_detailed(
             progress=progress,
             concurrency_limit=concurrency_limit,
             description=description,
+            on_record=on_record,
         )
         stats1 = await client.stats(iterations_from=min(steps_from.values()))
         wall = time.monotonic() - start

@@ -77,7 +77,8 @@ class IterationSample:
     how many of them came from the prefix cache; preempted_cache_*: the same for
     re-admissions after a preemption (the scheduler's `IterationRecord`).
     num_prefill_seqs ... num_sampled: the rest of its `IterationShape`; forward_s: the
-    worker's own forward time.
+    worker's own forward time; token_budget: the tokens its policy let it hold (0: no
+    token budget bounded it).
     """
 
     step: int
@@ -96,6 +97,7 @@ class IterationSample:
     decode_context_tokens: int = 0
     num_sampled: int = 0
     forward_s: float = 0.0
+    token_budget: int = 0
 
     @property
     def duration_s(self) -> float:

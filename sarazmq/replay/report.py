@@ -165,6 +165,7 @@ ITERATION_COLUMNS = (
     "decode_context_tokens",
     "num_sampled",
     "forward_s",
+    "token_budget",
 )
 
 
@@ -224,6 +225,7 @@ def write_iterations_csv(path: Path, iterations: Sequence[IterationSample], t0: 
                     it.decode_context_tokens,
                     it.num_sampled,
                     it.forward_s,
+                    it.token_budget,
                 )
             )
 

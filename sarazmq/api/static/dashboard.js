@@ -8,6 +8,7 @@ const $ = (id) => document.getElementById(id);
 
 function ms(seconds) {
   if (seconds === null || seconds === undefined) return "-";
+  if (seconds >= 10) return seconds.toFixed(1) + " s";
   return (seconds * 1000).toFixed(seconds < 0.1 ? 1 : 0) + " ms";
 }
 
@@ -33,11 +34,15 @@ function drawChart(canvas, iterations, tbtSlo) {
   ctx.clearRect(0, 0, W, H);
   const css = getComputedStyle(document.documentElement);
   const color = (name) => css.getPropertyValue(name).trim();
-  let maxTokens = 1, maxTime = tbtSlo > 0 ? tbtSlo * 1.25 : 0;
+  let maxUsed = 1, maxBudget = 0, maxTime = tbtSlo > 0 ? tbtSlo * 1.25 : 0;
   for (const it of iterations) {
-    maxTokens = Math.max(maxTokens, it.budget, it.prefill + it.decode);
+    maxUsed = Math.max(maxUsed, it.prefill + it.decode);
+    maxBudget = Math.max(maxBudget, it.budget);
     maxTime = Math.max(maxTime, it.end - it.start);
   }
+  // a budget far above what ran (vLLM's whole-prompt limit is the context length) would
+  // flatten the bars: the axis then follows the tokens and the budget is cut at the top
+  const maxTokens = maxBudget > 4 * maxUsed ? Math.ceil(maxUsed * 1.25) : Math.max(maxUsed, maxBudget);
   maxTime = maxTime || 1e-3;
   // axes and labels
   ctx.strokeStyle = color("--line");
@@ -71,8 +76,9 @@ function drawChart(canvas, iterations, tbtSlo) {
     const x = left + i * slot + (slot - bar) / 2;
     const used = it.decode + it.prefill;
     if (it.budget > used) {
+      const cut = Math.min(it.budget, maxTokens);
       ctx.fillStyle = color("--unused");
-      ctx.fillRect(x, y(it.budget), bar, y(used) - y(it.budget));
+      ctx.fillRect(x, y(cut), bar, y(used) - y(cut));
     }
     ctx.fillStyle = color("--decode");
     ctx.fillRect(x, y(it.decode), bar, y(0) - y(it.decode));
@@ -132,6 +138,7 @@ function renderEngine(engine, iterations) {
 function render(snap) {
   $("model").textContent = snap.model;
   $("label").textContent = snap.label ? "· " + snap.label : "";
+  $("api-links").style.display = snap.api ? "" : "none";
   $("finished").textContent = String(snap.requests.finished);
   $("output-tokens").textContent = String(snap.requests.output_tokens);
   const lat = snap.latency;
