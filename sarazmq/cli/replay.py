@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from sarazmq.api.dashboard_server import DashboardServer
+from sarazmq.api import DashboardServer
 from sarazmq.cli.options import engine_config, engine_options
 from sarazmq.cli.runs import (
     adaptive_line,
