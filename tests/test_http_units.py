@@ -4,7 +4,9 @@ overload refusal, bind policy."""
 from __future__ import annotations
 
 import pytest
+from starlette.testclient import TestClient
 
+from sarazmq.api.app import APIConfig, OpenAIServer
 from sarazmq.api.encoding import decode_body
 from sarazmq.api.errors import openai_param
 from sarazmq.api.schemas import (
@@ -127,3 +129,22 @@ def test_http_bind_policy() -> None:
         check_http_bind("0.0.0.0", None)
     with pytest.raises(ValueError, match="without an API key"):
         check_http_bind("::", "")
+
+
+def test_wrong_method_is_405_with_allow_and_openai_shape() -> None:
+    # found by schemathesis (tests/test_openapi_live.py): the 405 lost Starlette's Allow
+    # header, which RFC 9110 requires; TestClient outside `with` runs no lifespan, so no
+    # engine is needed
+    config = APIConfig(endpoint="tcp://127.0.0.1:1", model_name="m", max_model_len=64)
+    client = TestClient(OpenAIServer(config, str).app())
+    r = client.request("TRACE", "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"] == {
+        "message": "method not allowed: TRACE /v1/completions",
+        "type": "not_found_error",
+        "param": None,
+        "code": 405,
+    }
+    r = client.delete("/health")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
+    assert client.get("/nowhere").status_code == 404

@@ -28,6 +28,7 @@ from sarazmq.api.dashboard import DashboardFeed, DashboardHub, DashboardSettings
 from sarazmq.api.encoding import BodyTooLarge, decode_body, json_response, read_body
 from sarazmq.api.errors import APIError
 from sarazmq.api.metrics import ServerMetrics
+from sarazmq.api.openapi import openapi_json
 from sarazmq.api.pages import dashboard_data_routes, page_routes
 from sarazmq.api.schemas import (
     UNBOUNDED_MAX_TOKENS,
@@ -93,6 +94,7 @@ class OpenAIServer:
             Route("/health", self._errors(self.health), methods=["GET"]),
             Route("/version", self._errors(self.version), methods=["GET"]),
             Route("/metrics", self._errors(self.prometheus), methods=["GET"]),
+            Route("/openapi.json", self._errors(self.openapi), methods=["GET"]),
             Route("/v1/models", self._errors(self._auth(self.models)), methods=["GET"]),
             Route("/v1/completions", self._errors(self._auth(self.completions)), methods=["POST"]),
             Route(
@@ -107,8 +109,10 @@ class OpenAIServer:
         async def not_found(request: Request, exc: Exception) -> Response:
             status = getattr(exc, "status_code", 404)
             message = "not found" if status == 404 else "method not allowed"
+            # a 405 keeps Starlette's Allow header (RFC 9110 requires one)
+            headers = dict(getattr(exc, "headers", None) or {})
             return APIError(status, f"{message}: {request.method} {request.url.path}",
-                            type="not_found_error").response()  # fmt: skip
+                            type="not_found_error", headers=headers).response()  # fmt: skip
 
         return Starlette(
             routes=routes,
@@ -196,6 +200,16 @@ class OpenAIServer:
 
     async def version(self, request: Request) -> Response:
         return json_response({"version": __version__})
+
+    async def openapi(self, request: Request) -> Response:
+        # no API key needed, as FastAPI's default: the description holds no secret (only
+        # whether a key is needed) and clients and tools read it before they have one
+        doc = openapi_json(
+            model_name=self.config.model_name,
+            max_model_len=self.config.max_model_len,
+            bearer=self.config.api_key is not None,
+        )
+        return Response(doc, media_type="application/json")
 
     async def models(self, request: Request) -> Response:
         card = {
