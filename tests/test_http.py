@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from http_fixtures import API_KEY, MODEL, HTTPServer, start_http_server
+from http_fixtures import API_KEY, MODEL, HTTPServer
 
 from sarazmq import LLM, SamplingParams
 
@@ -30,8 +29,8 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[HTTPServer]:
-    yield from start_http_server()
+def server(http_server: HTTPServer) -> HTTPServer:
+    return http_server  # shared by the HTTP modules (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
-from http_fixtures import API_KEY, MAX_MODEL_LEN, HTTPServer, start_http_server
+from http_fixtures import API_KEY, MAX_MODEL_LEN, HTTPServer
 
 from sarazmq.client import Client
 
@@ -24,8 +24,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[HTTPServer]:
-    yield from start_http_server()
+def server(http_server: HTTPServer) -> HTTPServer:
+    return http_server  # shared by the HTTP modules (conftest.py)
 
 
 @pytest.fixture

@@ -5,13 +5,12 @@ matches the description, and the server is healthy afterwards."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import schemathesis
-from http_fixtures import API_KEY, MODEL, HTTPServer, start_http_server
+from http_fixtures import API_KEY, MODEL, HTTPServer
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -41,8 +40,8 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[HTTPServer]:
-    yield from start_http_server()
+def server(http_server: HTTPServer) -> HTTPServer:
+    return http_server  # shared by the HTTP modules (conftest.py)
 
 
 def steer(body: Any) -> None:

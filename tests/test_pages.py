@@ -1,7 +1,7 @@
 """The /dashboard and /chat pages in a real browser (headless Chromium via Selenium and
 Debian's chromedriver; scripts/setup.sh installs them where it can, else these skip).
 
-One deployment serves both pages. The dashboard watches a replay sent through the HTTP
+The HTTP test modules' shared deployment serves both pages. The dashboard watches a replay sent through the HTTP
 API and must show its iterations while it runs and, once it is over, the numbers /metrics
 has; the chat page streams answers, sends the whole conversation each turn, and its Stop
 button frees the request's KV blocks on the server.
@@ -19,11 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-from http_fixtures import API_KEY, MODEL
+from http_fixtures import API_KEY, MODEL, HTTPServer
 
-from sarazmq.config import CacheConfig, DeploymentConfig, EngineConfig, SchedulerConfig
-from sarazmq.procs.endpoints import free_tcp_port
-from sarazmq.procs.launcher import Deployment
 from sarazmq.replay.openai_driver import replay_openai
 from sarazmq.replay.workload import WorkloadSpec, build_workload
 
@@ -43,15 +40,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def root() -> Iterator[str]:
-    config = EngineConfig(
-        dtype="float32",
-        scheduler=SchedulerConfig(chunk_size=64, max_num_seqs=32, max_model_len=1024),
-        cache=CacheConfig(block_size=16, num_blocks=512),
-    )
-    port = free_tcp_port()
-    with Deployment(config, DeploymentConfig(http_port=port, api_key=API_KEY)):
-        yield f"http://127.0.0.1:{port}"
+def root(http_server: HTTPServer) -> str:
+    return http_server.root  # the HTTP modules' shared deployment (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +83,11 @@ def open_with_key(browser: Any, url: str) -> None:
     form.submit()
 
 
-def metric(text: str, name: str) -> float:
+def metric(text: str, name: str, default: float | None = None) -> float:
+    """A sample of /metrics; a labelled counter has none before its first event."""
     m = re.search(rf"^sarazmq:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    if m is None and default is not None:
+        return default
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
 
@@ -129,6 +122,8 @@ def test_dashboard_shows_a_running_replay_and_agrees_with_metrics(root: str, bro
     requests = build_workload(spec)
     open_with_key(browser, f"{root}/dashboard")
     wait_for(lambda: text_of(browser, "section.engine .iterations") != "-", 30, "first snapshot")
+    with api(root) as client:  # the shared server has served other modules' requests
+        before = metric(client.get("/metrics").text, "request_success_total", default=0.0)
 
     outcome: dict[str, Any] = {}
 
@@ -161,9 +156,10 @@ def test_dashboard_shows_a_running_replay_and_agrees_with_metrics(root: str, bro
 
         def settled() -> str | None:
             text = client.get("/metrics").text
-            done = metric(text, "request_success_total") == len(records)
+            finished = metric(text, "request_success_total")
+            done = finished == before + len(records)
             idle = metric(text, "num_requests_running") == 0
-            shown = text_of(browser, "#finished") == str(len(records))
+            shown = text_of(browser, "#finished") == str(int(finished))
             return text if done and idle and shown else None
 
         text = wait_for(settled, 30, "the page and /metrics to settle")
