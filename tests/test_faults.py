@@ -1,8 +1,10 @@
 """Fault tolerance, bad input and transport security over real processes (issue 5).
 
-One deployment serves every test of this module: a CurveZMQ tcp endpoint on loopback,
-a small KV pool (64 blocks of 16 tokens), a 4 s client timeout, its children's logs in
-a file. The process-fault tests (kill -9 of each kind, restart, SIGTERM drain) are in
+One deployment of the default model serves every test of this module: a CurveZMQ tcp
+endpoint on loopback, a small KV pool (64 blocks of 16 tokens), a 4 s client timeout,
+its children's logs in a file. The overload test has a deployment of its own, the same
+but for a tiny random-weight model: what it tests (preemption, exactly-once finishing,
+bounded memory over a thousand requests) is the serving machinery's, not the model's. The process-fault tests (kill -9 of each kind, restart, SIGTERM drain) are in
 tests/test_process_faults.py. Numbers the tests measure are printed (pytest -s).
 """
 
@@ -16,6 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -23,9 +26,17 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import write_tiny_llama
 
 from sarazmq.client import AsyncClient, Client, EngineError, RequestError
-from sarazmq.config import CacheConfig, CurveKeys, DeploymentConfig, EngineConfig, SchedulerConfig
+from sarazmq.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    CurveKeys,
+    DeploymentConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from sarazmq.keys import create_keypair, load_keypair, load_public_key
 from sarazmq.procs.endpoints import free_tcp_port
 from sarazmq.procs.launcher import Deployment
@@ -107,13 +118,14 @@ class Env:
                 time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+def _start_env(tmp_path_factory: pytest.TempPathFactory, model: str) -> Iterator[Env]:
+    """A deployment of `model` with this module's settings, and how to reach it."""
     keydir = tmp_path_factory.mktemp("keys")
     public_file, secret_file = create_keypair(keydir)
     public, secret = load_keypair(secret_file)
     log_file = tmp_path_factory.mktemp("logs") / "deployment.log"
     config = EngineConfig(
+        model=model,
         num_threads=1,
         dtype="float32",
         scheduler=SchedulerConfig(
@@ -134,6 +146,20 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
         e = Env(dep, load_public_key(public_file), log_file)
         yield e
         e.ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    yield from _start_env(tmp_path_factory, DEFAULT_MODEL)
+
+
+@pytest.fixture
+def tiny_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """The module's deployment with a tiny random Llama (the default model's tokenizer):
+    a thousand requests cost the processes' own work, not ~100 s of 135M-model compute.
+    Function-scoped: its processes go as soon as the one test using it ends."""
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+    yield from _start_env(tmp_path_factory, model)
 
 
 def recv_one(sock: zmq.Socket, timeout_s: float = 10.0) -> ServerMessage:
@@ -436,10 +462,12 @@ def test_bad_requests_get_structured_errors_naming_the_field(env: Env) -> None:
 # ---- 3. overload ------------------------------------------------------------------------
 
 
-def test_thousand_requests_against_a_small_pool(env: Env) -> None:
+def test_thousand_requests_against_a_small_pool(tiny_env: Env) -> None:
+    env = tiny_env
     # 15-token prompts fill their first block; their second decode needs a second block, held
     # for the rest of their 8 tokens: with ~63 admitted at once the pool must preempt
     # (with 4 tokens after 14, fast steps could finish requests before the pool filled)
+    # (the tiny model's steps are fast, yet a thousand arrive faster: ~260 preemptions)
     n, max_tokens, prompt_len = 1000, 8, 15
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 20000) for _ in range(prompt_len)] for _ in range(10)]

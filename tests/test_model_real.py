@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -79,9 +80,11 @@ def test_config_of_default_model(config: ModelConfig) -> None:
     assert config.rope_scaling is None and not config.qkv_bias
 
 
-def test_logits_match_transformers(source: ModelSource, model: LlamaForCausalLM, tokenizer) -> None:  # noqa: ANN001
-    from transformers import AutoModelForCausalLM
-
+def test_logits_match_transformers(
+    model: LlamaForCausalLM,
+    tokenizer,  # noqa: ANN001 (transformers tokenizer)
+    hf_default_model: Any,  # transformers' own float32 model of the file (tests/conftest.py)
+) -> None:
     messages = [
         {
             "role": "user",
@@ -92,11 +95,8 @@ def test_logits_match_transformers(source: ModelSource, model: LlamaForCausalLM,
     if not isinstance(ids, list):
         ids = ids["input_ids"]
     assert 30 <= len(ids) <= 60
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32
-    )
     with torch.no_grad():
-        ref = ref_model(torch.tensor([ids])).logits[0, -1].float()
+        ref = hf_default_model(torch.tensor([ids])).logits[0, -1].float()
     ours = _prefill(model, ids, chunk=len(ids))
     assert (ours - ref).abs().max().item() < 1e-3
     assert ours.argmax() == ref.argmax()
@@ -136,7 +136,7 @@ def _paged_run(model: LlamaForCausalLM, ids: list[int], chunk: int, decodes: int
 
 
 def test_native_cpu_backend_in_bf16_is_as_close_to_float32_as_torch(
-    source: ModelSource, config: ModelConfig
+    source: ModelSource, config: ModelConfig, model: LlamaForCausalLM
 ) -> None:
     # the bf16 native paths end to end (prefill attention over cached context, 2-row
     # matmuls, decode attention) stray from the float32 model no further than bf16 on the
@@ -147,12 +147,14 @@ def test_native_cpu_backend_in_bf16_is_as_close_to_float32_as_torch(
         pytest.skip("no C compiler: native kernels not built")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, config.vocab_size, (150,), generator=g).tolist()
-    fp32 = load_model(source, config, torch.float32, "cpu", TorchPagedAttention())
-    ref = _paged_run(fp32, ids, chunk=64, decodes=4)
+    # the float32 reference: the module's model (float32 on the torch backend), not a
+    # second load of the same
+    assert model.embed_tokens.dtype == torch.float32
+    ref = _paged_run(model, ids, chunk=64, decodes=4)
     errs = {}
     for backend in (TorchPagedAttention(), CpuPagedAttention()):
-        model = load_model(source, config, torch.bfloat16, "cpu", backend)
-        out = _paged_run(model, ids, chunk=64, decodes=4)
+        bf16 = load_model(source, config, torch.bfloat16, "cpu", backend)
+        out = _paged_run(bf16, ids, chunk=64, decodes=4)
         assert out.shape == ref.shape == (3 + 4, config.vocab_size)
         errs[backend.name] = err = (out - ref).abs().max().item()
         # top choices the float32 model is clear about are kept

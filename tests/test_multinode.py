@@ -24,6 +24,7 @@ from pathlib import Path
 import pexpect
 import pytest
 from proc_utils import alive, sarazmq_children
+from tiny_models import write_tiny_llama
 
 from sarazmq.client import Client, EngineError
 from sarazmq.config import CacheConfig, DeploymentConfig, EngineConfig, SchedulerConfig
@@ -58,30 +59,7 @@ def test_node_settings_are_checked() -> None:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random-weight Llama folder with the default model's tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from sarazmq.model.loader import load_tokenizer, resolve_model
-
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    tok = load_tokenizer(resolve_model("smollm2-135m-instruct"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        initializer_range=0.2,  # varied greedy outputs (the default repeats one token)
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
