@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from sarazmq import Client
 from sarazmq.api.dashboard import DashboardSettings
 from sarazmq.config import CacheConfig, DeploymentConfig, EngineConfig, SchedulerConfig
 from sarazmq.procs.endpoints import free_tcp_port
@@ -63,8 +64,11 @@ def watch(root: str, stop: threading.Event) -> None:
                     return
 
 
-def run_once(root: str, requests: list, viewers: int) -> tuple[float, float]:
-    """(output tok/s, mean iteration seconds) of one replay with `viewers` watching."""
+def run_once(root: str, engine: Client, requests: list, viewers: int) -> tuple[float, float]:
+    """(output tok/s, mean iteration seconds) of one replay with `viewers` watching; the
+    iterations are the scheduler's records of the run (read over ZeroMQ)."""
+    engine.reset_prefix_cache()  # every run computes every prompt (they repeat)
+    first_step = int(engine.stats()["num_iterations"]) + 1
     stop = threading.Event()
     threads = [threading.Thread(target=watch, args=(root, stop)) for _ in range(viewers)]
     for t in threads:
@@ -74,9 +78,8 @@ def run_once(root: str, requests: list, viewers: int) -> tuple[float, float]:
     for t in threads:
         t.join(timeout=10)
     tokens = sum(r.num_output_tokens for r in out.records)
-    return tokens / out.wall_s, statistics.fmean(
-        i.duration_s for i in out.iterations
-    ) if out.iterations else 0.0
+    its = engine.stats(iterations_from=first_step)["iterations"]
+    return tokens / out.wall_s, statistics.fmean(i["end"] - i["start"] for i in its)
 
 
 def main() -> None:
@@ -110,12 +113,15 @@ def main() -> None:
     )
     port = free_tcp_port()
     results: dict[int, list[tuple[float, float]]] = {0: [], args.viewers: []}
-    with Deployment(config, DeploymentConfig(http_port=port)):
+    with (
+        Deployment(config, DeploymentConfig(http_port=port)) as dep,
+        Client(dep.endpoint) as engine,
+    ):
         root = f"http://127.0.0.1:{port}"
-        run_once(root, requests[:4], 0)  # warm-up
+        run_once(root, engine, requests, 0)  # warm-up: every shape of the workload once
         for _ in range(args.rounds):
             for viewers in (0, args.viewers):
-                results[viewers].append(run_once(root, requests, viewers))
+                results[viewers].append(run_once(root, engine, requests, viewers))
     base_tps = statistics.fmean(r[0] for r in results[0])
     base_it = statistics.fmean(r[1] for r in results[0])
     seen_tps = statistics.fmean(r[0] for r in results[args.viewers])

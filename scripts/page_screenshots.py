@@ -80,7 +80,7 @@ def main() -> None:
         for policy in ("vllm", "sarathi"):
             config = EngineConfig(
                 dtype="float32",
-                num_threads=2,
+                num_threads=1,
                 scheduler=SchedulerConfig(policy=policy, chunk_size=128, max_model_len=2048),
                 cache=CacheConfig(block_size=16, num_blocks=1024),
             )
@@ -97,6 +97,10 @@ def main() -> None:
                 print(f"wrote {out}/dashboard_{policy}.png")
                 if policy == "sarathi":
                     with_key(b, f"{root}/chat")
+                    # greedy: the 135M default model wanders when sampled
+                    for field, value in (("temperature", "0"), ("max-tokens", "64")):
+                        b.find_element(By.ID, field).clear()
+                        b.find_element(By.ID, field).send_keys(value)
                     box = b.find_element(By.ID, "prompt")
                     for text in ("What is the capital of France?", "And what is it famous for?"):
                         box.send_keys(text)
