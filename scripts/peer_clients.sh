@@ -11,8 +11,14 @@
 # (and written to OUT/table.md). Run on a quiet machine: ~15 minutes.
 #   OUT=peer_clients_out REQUESTS=64 RATE=2 bash scripts/peer_clients.sh
 # Needs ../shared/peers/vllm/setup.sh (vLLM venv, tokenizer and fp32 folders) and `scripts/peer_aiperf.sh
-# setup`; llama.cpp: LLAMA_SERVER=/path/to/llama-server (built from llama-cpp-python's sdist, see
-# docs/PEER_VLLM.md), skipped when absent. SERVERS="sarazmq vllm llamacpp" picks which run.
+# setup`; llama.cpp: LLAMA_SERVER=/path/to/llama-server, skipped when absent. It was built from the
+# llama.cpp source vendored in llama-cpp-python's sdist (its wheel builds only the library, not the server):
+#   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/peer/llamacpp-src
+#   tar xzf /tmp/peer/llamacpp-src/llama_cpp_python-0.3.36.tar.gz -C /tmp/peer/llamacpp-src
+#   cd /tmp/peer/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp
+#   cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+#   cmake --build build --target llama-server -j 2      # ~30 min on 2 cores
+# SERVERS="sarazmq vllm llamacpp" picks which run.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 peer="${PEER_DIR:-$here/../shared/peers/vllm}"
