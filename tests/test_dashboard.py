@@ -198,6 +198,7 @@ def test_hub_polls_only_while_someone_watches() -> None:
                 if len(snapshots) == 4:
                     break
         assert hub.num_viewers == 0
+        assert all("requests" in snap for snap in snapshots)  # never an empty first one
         polls = hub.num_polls
         await asyncio.sleep(0.1)
         assert hub.num_polls <= polls + 1  # the poll stops with the last viewer
@@ -217,5 +218,26 @@ def test_hub_shows_an_engine_that_does_not_answer() -> None:
         hub = DashboardHub(DashboardFeed("m"), silent)
         await hub.poll_once()
         assert "timed out" in hub.feed.snapshot()["error"]
+
+    asyncio.run(main())
+
+
+def test_viewers_of_one_poll_share_its_snapshot() -> None:
+    """Two viewers: one snapshot per poll (the window's percentiles are sorted once)."""
+
+    async def engine_stats(iterations_from: int) -> dict:
+        return stats(1, [] if iterations_from >= 0 else None)
+
+    async def first(hub: DashboardHub) -> dict:
+        async with contextlib.aclosing(hub.subscribe()) as stream:
+            async for snap in stream:
+                return snap
+        raise AssertionError("no snapshot")
+
+    async def main() -> None:
+        hub = DashboardHub(DashboardFeed("m", DashboardSettings(interval_s=5.0)), engine_stats)
+        a, b = await asyncio.gather(first(hub), first(hub))
+        assert a is b and hub.num_polls == 1
+        await hub.close()
 
     asyncio.run(main())

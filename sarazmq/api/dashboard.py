@@ -221,6 +221,7 @@ class DashboardHub:
         self.stats = stats
         self.num_viewers = 0
         self.num_polls = 0
+        self.latest: dict[str, Any] = {}
         self._version = 0
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -236,6 +237,8 @@ class DashboardHub:
         else:
             self.feed.observe_stats(stats)
         self.num_polls += 1
+        # one snapshot per poll for every viewer (the percentiles sort the window once)
+        self.latest = self.feed.snapshot()
         self._version += 1
         self._changed.set()
         self._changed = asyncio.Event()
@@ -251,12 +254,12 @@ class DashboardHub:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         try:
-            seen = -1
+            seen = -1 if self._version else 0  # before the first poll: wait for it
             while True:
                 if seen == self._version:
                     await self._changed.wait()
                 seen = self._version
-                yield self.feed.snapshot()
+                yield self.latest
         finally:
             self.num_viewers -= 1
 
