@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from sarazmq.api.encoding import BodyTooLarge, decode_body, json_response, read_
 from sarazmq.api.errors import APIError
 from sarazmq.api.metrics import ServerMetrics
 from sarazmq.api.openapi import openapi_json
-from sarazmq.api.pages import dashboard_data_routes, page_routes
+from sarazmq.api.pages import Handler, dashboard_data_routes, page_routes
 from sarazmq.api.schemas import (
     UNBOUNDED_MAX_TOKENS,
     ChatCompletionRequest,
@@ -69,9 +69,6 @@ class APIConfig:
     curve_server_key: bytes | None = None
     health_timeout: float = 10.0
     dashboard: DashboardSettings = DashboardSettings()
-
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 class OpenAIServer:
