@@ -12,8 +12,11 @@ from sarazmq import LLM, SamplingParams
 from sarazmq.cli import main
 from sarazmq.cli.options import engine_config
 from sarazmq.config import EngineConfig
+from sarazmq.kernels import TorchPagedAttention
 from sarazmq.kernels.int8_dot import int8_dot_available
+from sarazmq.model.loader import load_model, load_model_config, load_tokenizer, resolve_model
 from sarazmq.options import EngineOptions, option_flags
+from sarazmq.perf.token_agreement import pooled, teacher_forced_logits
 
 torch.set_num_threads(1)
 
@@ -70,3 +73,24 @@ def test_int8_greedy_tokens_mostly_agree_with_float() -> None:
     print(f"int8 vs float greedy: common prefix {agree}, first tokens equal {first}/6")
     assert first >= 5
     assert sum(agree) / len(agree) >= 0.5, agree
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
+def test_int8_next_token_distributions_stay_close_to_float() -> None:
+    # scripts/accuracy_gguf.py measures this over 726 positions (docs/KERNELS.md): top-1
+    # agreement 0.977, mean KL 0.0032 nats, llama.cpp on the same file 0.974 / 0.0032
+    source = resolve_model("smollm2-135m-instruct")
+    model = load_model(
+        source, load_model_config(source), torch.float32, "cpu", TorchPagedAttention()
+    )
+    tokenizer = load_tokenizer(source)
+    texts = [tokenizer.encode(" ".join(PROMPTS)), tokenizer.encode(PROMPTS[1] * 4)]
+    assert model.set_gguf_matmul("float") == 0
+    reference = [teacher_forced_logits(model, ids, chunk=64) for ids in texts]
+    assert model.set_gguf_matmul("int8") > 0
+    int8 = [teacher_forced_logits(model, ids, chunk=64) for ids in texts]
+    a = pooled(list(zip(reference, int8, texts, strict=True)))
+    print(f"int8 vs float32: {a}")
+    assert a.top1_agreement >= 0.9 and a.mean_kl < 0.02, a
+    assert 0 < a.max_kl < 0.5, a  # it is not the float path, and not far from it
