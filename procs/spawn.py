@@ -38,11 +38,22 @@ class Child:
     instance: int | None = None
 
 
-def spawn_child(spec: ProcSpec, threads: int) -> Child:
-    """Starts one child with its spec on stdin and `threads` OpenMP threads."""
+def child_environment(threads: int) -> dict[str, str]:
+    """The environment of a child process: this one's, with `threads` OpenMP threads and
+    PYTHONSAFEPATH=1. `python -m` would otherwise put the working directory first on
+    sys.path, and started from a source checkout its top-level kernels/ (installed as
+    sarazmq.kernels) would shadow Hugging Face's `kernels` package, which transformers
+    imports when that package is installed."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONSAFEPATH"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def spawn_child(spec: ProcSpec, threads: int) -> Child:
+    """Starts one child with its spec on stdin and `threads` OpenMP threads."""
+    env = child_environment(threads)
     log_file = spec.deployment.log_file
     out = open(log_file, "ab") if log_file else None  # noqa: SIM115 - the child keeps its own fd
     try:

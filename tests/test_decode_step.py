@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import _tiny_config
 
 from sarazmq.config import ModelConfig
 from sarazmq.kernels import AttentionBackend, CpuPagedAttention
@@ -23,7 +24,6 @@ from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.llama import LlamaForCausalLM
-from tests.test_model import _tiny_config
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention_available(), reason="native CPU kernels unavailable (no C compiler)"

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from scheduler_harness import sim_config
+from test_router import _conversations
+from test_simulator import Linear, _requests
 
 from sarazmq.cli import main
 from sarazmq.config import SchedulerConfig
@@ -17,9 +20,6 @@ from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.scheduler import Scheduler
 from sarazmq.sim.disagg import DisaggSpec, simulate_disaggregated
 from sarazmq.validation import InvalidRequestError
-from tests.scheduler_harness import sim_config
-from tests.test_router import _conversations
-from tests.test_simulator import Linear, _requests
 
 KV_BYTES = 1000  # per token
 

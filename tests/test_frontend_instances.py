@@ -5,6 +5,7 @@ its return, and stats asked of every instance."""
 from __future__ import annotations
 
 import msgspec
+from test_frontend import CharTokenizer
 
 from sarazmq.frontend.prompts import PromptTokenizer
 from sarazmq.frontend.service import FrontendService
@@ -27,7 +28,6 @@ from sarazmq.protocol.engine import (
     StatsQuery,
 )
 from sarazmq.router import InstanceTable, Router, RouterConfig
-from tests.test_frontend import CharTokenizer
 
 enc = msgspec.msgpack.Encoder()
 

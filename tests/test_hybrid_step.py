@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import _tiny_config
 
 from sarazmq.config import ModelConfig
 from sarazmq.kernels import CpuPagedAttention
@@ -17,7 +18,6 @@ from sarazmq.kernels.linear_amx import amx_linear_available
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.llama import LlamaForCausalLM
-from tests.test_model import _tiny_config
 
 pytestmark = pytest.mark.skipif(
     not (cpu_attention_available() and prefill_amx_available() and amx_linear_available()),

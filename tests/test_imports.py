@@ -4,13 +4,13 @@ the offline modelling package (or numpy) to schedule."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-
-from tests.import_graph import ImportGraph, build_graph
+from import_graph import ImportGraph, build_graph
 
 #: the process roles (DESIGN.md): each one's logic is a package whose `__init__` is its
 #: public API; other packages import only the names it exports
@@ -45,7 +45,7 @@ def test_no_import_circles(graph: ImportGraph) -> None:
 
 
 def test_the_cycle_finder_finds_a_circle() -> None:
-    from tests.import_graph import ImportEdge
+    from import_graph import ImportEdge
 
     g = ImportGraph(
         modules={"sarazmq.a": None, "sarazmq.b": None, "sarazmq.c": None},  # type: ignore[dict-item]
@@ -85,7 +85,7 @@ def test_no_module_imports_another_roles_internals(graph: ImportGraph) -> None:
     public = {role: set(importlib.import_module(f"sarazmq.{role}").__all__) for role in ROLES}
     assert role_violations(graph, public) == []
     # the rule itself: a module path and an unlisted name are both caught
-    from tests.import_graph import ImportEdge
+    from import_graph import ImportEdge
 
     probe = ImportGraph(
         modules=graph.modules,
@@ -146,3 +146,57 @@ def test_the_scheduler_loads_no_modelling_package() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["loaded=", "numpy_after=True"]
+
+
+def test_the_checkout_root_never_shadows_a_top_level_package() -> None:
+    # the checkout's kernels/ is sarazmq.kernels; as a top-level `kernels` it would shadow
+    # Hugging Face's package of that name, which transformers imports where it is
+    # installed. Neither this process nor a launcher's child (`python -m`, started from the
+    # checkout) may have the checkout root on sys.path.
+    from pathlib import Path
+
+    from sarazmq.procs.spawn import child_environment
+
+    root = Path(__file__).resolve().parent.parent
+    assert (root / "kernels" / "__init__.py").is_file()
+    assert all(p not in ("", ".") and Path(p).resolve() != root for p in sys.path)
+    env = child_environment(threads=1)
+    assert env["PYTHONSAFEPATH"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    # `python -m site` lists sys.path one quoted entry a line
+    out = subprocess.run(
+        [sys.executable, "-m", "site"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "sys.path" in out.stdout, out.stderr
+    assert f"'{root}'," not in out.stdout, out.stdout
+    # the control: without it, `python -m` does put the checkout on sys.path
+    plain = {k: v for k, v in env.items() if k != "PYTHONSAFEPATH"}
+    out = subprocess.run(
+        [sys.executable, "-m", "site"], cwd=root, env=plain, capture_output=True, text=True
+    )
+    assert f"'{root}'," in out.stdout, out.stdout
+
+
+def test_python_m_sarazmq_cli_from_the_checkout_drops_it_from_sys_path() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    # as `python -m sarazmq.cli --help` run in the checkout: sys.path[0] is its root ("")
+    code = textwrap.dedent(
+        """
+        import importlib.util, runpy, sys
+        sys.argv = ["sarazmq", "--help"]
+        try:
+            runpy.run_module("sarazmq.cli", run_name="__main__")
+        except SystemExit:
+            pass
+        spec = importlib.util.find_spec("kernels")
+        print("KERNELS", spec.origin if spec else None)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("KERNELS") and str(root / "kernels") not in line, out.stdout

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels import SCENARIOS, _scenario
+from test_model import _tiny_config
 
 from sarazmq.config import CacheConfig, EngineConfig
 from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_attention_backend
@@ -21,8 +23,6 @@ from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.kernels.torch_attention import reference_attention
 from sarazmq.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from tests.test_kernels import SCENARIOS, _scenario
-from tests.test_model import _tiny_config
 
 needs_native = pytest.mark.skipif(
     not cpu_attention_available(), reason="no C compiler: native kernels not built"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import _tiny_config
 
 from sarazmq.config import ModelConfig
 from sarazmq.kernels import CpuPagedAttention
@@ -24,7 +25,6 @@ from sarazmq.kernels.linear_weight import LinearWeight
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.llama import LlamaForCausalLM
-from tests.test_model import _tiny_config
 
 needs_amx = pytest.mark.skipif(not amx_linear_available(), reason="CPU without AMX tiles")
 BF = torch.bfloat16

@@ -489,7 +489,6 @@ def test_tensor_parallel_two_ranks_match_single(
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
         "OMP_NUM_THREADS": "1",
     }
     arg_ids = ",".join(map(str, ids))

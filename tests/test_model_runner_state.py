@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import _tiny_config
 
 from sarazmq.kernels import TorchPagedAttention
 from sarazmq.model.kv_cache import allocate_kv_cache
@@ -12,7 +13,6 @@ from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.worker.model_runner import ModelRunner, PlanError
-from tests.test_model import _tiny_config
 
 BLOCK = 4
 

@@ -18,11 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from proc_utils import sarazmq_children
-
-from sarazmq import LLM
-from sarazmq.client import EngineError, RequestError
-from sarazmq.sampling_params import SamplingParams
-from tests.test_multinode import (
+from test_multinode import (
     TwoNodes,
     first_line,
     free_port_pair,
@@ -31,6 +27,10 @@ from tests.test_multinode import (
     stop,
     tiny_model,  # noqa: F401 - a fixture
 )
+
+from sarazmq import LLM
+from sarazmq.client import EngineError, RequestError
+from sarazmq.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -183,8 +183,9 @@ def test_roofline_fallback_and_flag_errors() -> None:
 def test_profile_quick_end_to_end_on_a_tiny_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from test_model import _save_hf
+
     from sarazmq.perf import profile as profile_module
-    from tests.test_model import _save_hf
 
     # every point counts as an outlier: the re-timing path runs for all of them
     monkeypatch.setattr(profile_module, "RETIME_FACTOR", 0.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels import SCENARIOS, _scenario
 
 from sarazmq.kernels import CpuPagedAttention
 from sarazmq.kernels import cpu_attention as cpu_attention_module
@@ -16,7 +17,6 @@ from sarazmq.kernels.cpu_attention_kernels import (
     prefill_scratch_elems,
 )
 from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache
-from tests.test_kernels import SCENARIOS, _scenario
 
 pytestmark = pytest.mark.skipif(
     not (cpu_attention_available() and prefill_f32_available()),

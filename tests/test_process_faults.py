@@ -21,14 +21,20 @@ from pathlib import Path
 
 import pytest
 from proc_utils import alive, sarazmq_children
+from tiny_models import write_tiny_llama
 
 from sarazmq.client import Client, EngineError
 from sarazmq.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
 KINDS = ("frontend", "scheduler", "worker", "detokenizer")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=8192)
 
 
 def children(pid: int) -> dict[int, str]:
@@ -77,14 +83,15 @@ def streams_until_killed(endpoint: str, victim: int, n: int = 3) -> list[float]:
     return [t - killed_at for t in errors]
 
 
-def test_kill_each_kind_restarts_then_sigterm_drains(tmp_path: Path) -> None:
+def test_kill_each_kind_restarts_then_sigterm_drains(tmp_path: Path, tiny_model: str) -> None:
     endpoint = f"ipc://{tmp_path}/faults.ipc"
     log = tmp_path / "serve.log"
     # fmt: off
     cmd = [
         sys.executable, "-m", "sarazmq.cli", "serve", "--endpoint", endpoint,
+        "--model", tiny_model,
         "--restart", "on-failure", "--max-restarts", "4", "--drain-timeout", "3",
-        "--chunk-size", "64", "--max-model-len", "512", "--num-kv-blocks", "128",
+        "--chunk-size", "64", "--max-model-len", "8192", "--num-kv-blocks", "2048",
         "--threads", "1", "--detokenizers", "2", "--dtype", "float32",
     ]
     # fmt: on
@@ -161,13 +168,14 @@ def test_kill_each_kind_restarts_then_sigterm_drains(tmp_path: Path) -> None:
             serve.wait()
 
 
-def test_kill_launcher_leaves_no_process_and_no_file(tmp_path: Path) -> None:
+def test_kill_launcher_leaves_no_process_and_no_file(tmp_path: Path, tiny_model: str) -> None:
     """kill -9 of `serve` itself: its children die with it (PR_SET_PDEATHSIG) and the
     frontend removes the run directory and the public ipc file on the way out."""
     endpoint = f"ipc://{tmp_path}/launcher.ipc"
     # fmt: off
     cmd = [
         sys.executable, "-m", "sarazmq.cli", "serve", "--endpoint", endpoint,
+        "--model", tiny_model,
         "--max-model-len", "256", "--num-kv-blocks", "32", "--threads", "1",
         "--dtype", "float32",
     ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from scheduler_harness import sim_config
+from test_simulator import Linear
 
 from sarazmq.protocol.engine import InstanceLoad
 from sarazmq.replay.metrics import summarize
@@ -19,8 +21,6 @@ from sarazmq.router import (
 )
 from sarazmq.sim import build_sim_scheduler, simulate
 from sarazmq.sim.fleet import simulate_fleet
-from tests.scheduler_harness import sim_config
-from tests.test_simulator import Linear
 
 
 def _router(policy: str, n: int = 4, budget: int = 512, blocks: int = 1000) -> Router:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from scheduler_harness import sim_config
+from test_simulator import Constant
 
 from sarazmq.cli import main
 from sarazmq.replay.workload import WorkloadRequest, WorkloadSpec, build_workload
 from sarazmq.sim import ReplayLatency, simulate_workload
-from tests.scheduler_harness import sim_config
-from tests.test_simulator import Constant
 
 # ---------------------------------------------------------------------------- vs the engine
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from scheduler_harness import sim_config
 
 from sarazmq.replay.metrics import summarize
 from sarazmq.replay.workload import PromptSource, WorkloadRequest, WorkloadSpec, build_workload
 from sarazmq.scheduler.shape import IterationShape
 from sarazmq.sim import ReplayLatency, build_sim_scheduler, simulate, simulate_workload
-from tests.scheduler_harness import sim_config
 
 MOONCAKE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from scheduler_harness import sim_config
 
 from sarazmq.cli import main
 from sarazmq.perf.architectures import get_architecture, get_gpu
@@ -23,7 +24,6 @@ from sarazmq.replay.workload import WorkloadRequest
 from sarazmq.scheduler.shape import IterationShape, shape_of
 from sarazmq.sim import build_sim_scheduler, simulate, simulate_workload
 from sarazmq.sim.pipeline import StageTimeline
-from tests.scheduler_harness import sim_config
 
 
 class Layers:

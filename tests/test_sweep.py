@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from scheduler_harness import sim_config
 
 from sarazmq.cli import main
 from sarazmq.config import DEFAULT_CHUNK_SIZE
@@ -36,7 +37,6 @@ from sarazmq.sweep.store import (
     flag_points,
     read_points,
 )
-from tests.scheduler_harness import sim_config
 
 SHORT = LengthSource(input_tokens=32, output_tokens=16)
 LONG = LengthSource(input_tokens=400, output_tokens=16)

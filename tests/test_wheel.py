@@ -20,8 +20,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from tests.import_graph import FOLDERS
+from import_graph import FOLDERS
 
 ROOT = Path(__file__).resolve().parents[1]
 
