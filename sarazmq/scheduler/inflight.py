@@ -214,6 +214,4 @@ def build_plan(
 
     plan = BatchPlan(step=step, new_seqs=new_seqs, scheduled=scheduled, freed_seq_ids=freed_seq_ids)
     shape = shape_of_plan(plan, len(decision.decodes))
-    return InflightPlan(
-        plan, reqs, start, num_preempted, cache_step, shape, decision.token_budget
-    )
+    return InflightPlan(plan, reqs, start, num_preempted, cache_step, shape, decision.token_budget)
