@@ -45,6 +45,8 @@ from sarazmq.router import build_router
 
 HEARTBEAT_INTERVAL_S = 1.0
 TICK_S = 0.2
+# how long the public socket may hold its last messages at exit (stop_children's grace is 5 s)
+FINALS_FLUSH_MS = 2000
 log = logging.getLogger("sarazmq.frontend")
 
 
@@ -175,6 +177,10 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
         await asyncio.gather(from_clients(), from_engine(), ticker())
     finally:
         with contextlib.suppress(Exception):
+            # a drain's finals (aborts at its deadline) may still be queued for a client
+            # that reads slower than tokens came: they get FINALS_FLUSH_MS to go out (within
+            # the launcher's grace after SIGTERM); every other socket closes at once
+            public.close(linger=FINALS_FLUSH_MS)
             ctx.destroy(linger=0)
 
 

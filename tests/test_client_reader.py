@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from sarazmq.client.async_client import READ_BATCH, AsyncClient
+from sarazmq.client.errors import EngineError
 from sarazmq.protocol.client import (
     ClientMessage,
     GenerateRequest,
@@ -97,3 +98,76 @@ def test_a_pile_of_frames_arrives_whole_and_in_order(tmp_path: Path) -> None:
         assert any(isinstance(r, Pong) and r.time == 12.5 for r in replies)
 
     asyncio.run(main())
+
+
+def test_frames_sent_before_the_engine_goes_away_arrive_before_the_error(
+    tmp_path: Path,
+) -> None:
+    # A drain ends with the engine sending each request's final ("abort") and closing: a
+    # client that reads slower than tokens came still has frames waiting when it sees
+    # the connection drop. They are delivered first; only requests left without a final
+    # get the "lost the connection" error.
+    import threading
+    import time
+
+    burst = 4 * READ_BATCH + 5
+    endpoint = f"ipc://{tmp_path}/engine.ipc"
+    bound, gone = threading.Event(), threading.Event()
+
+    def engine() -> None:  # its own thread and context: runs while the client's loop sleeps
+        enc = msgspec.msgpack.Encoder()
+        dec = msgspec.msgpack.Decoder(ClientMessage)
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.SNDHWM, 0)
+        router.bind(endpoint)
+        bound.set()
+        rids = {}  # first prompt token -> request id
+        while len(rids) < 2:
+            ident, frame = router.recv_multipart()
+            msg = dec.decode(frame)
+            if isinstance(msg, GenerateRequest) and msg.prompt_token_ids:
+                rids[msg.prompt_token_ids[0]] = msg.request_id
+        finished = rids[1]  # the other one ([9]) gets nothing: it is left without a final
+        router.send_multipart([ident, enc.encode(OutputDelta(request_id=finished, text="s"))])
+        time.sleep(0.3)  # the client takes that one, then stops reading (see below)
+        for i in range(burst):
+            router.send_multipart(
+                [ident, enc.encode(OutputDelta(request_id=finished, token_ids=[i]))]
+            )
+        final = OutputDelta(request_id=finished, finish_reason="abort")
+        router.send_multipart([ident, enc.encode(final)])
+        router.close(linger=10_000)  # everything reaches the client's side, then it drops
+        ctx.term()
+        gone.set()
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    assert bound.wait(10)
+
+    async def main() -> tuple[list[int], str, str]:
+        client = AsyncClient(endpoint, timeout=30.0)
+        tokens, reason, other_error = [], "", ""
+        try:
+            other = asyncio.create_task(_collect(client, [9]))
+            stream = client.stream([1, 2, 3])
+            first = await stream.__anext__()
+            assert first.text == "s"
+            # the client's loop is busy elsewhere while the engine sends and goes away
+            assert gone.wait(20)
+            time.sleep(0.5)  # its I/O thread sees the disconnect too
+            async for d in stream:
+                tokens += d.token_ids
+                reason = d.finish_reason
+            try:
+                await other
+            except EngineError as e:
+                other_error = str(e)
+        finally:
+            await client.close()
+        return tokens, reason, other_error
+
+    tokens, reason, other_error = asyncio.run(main())
+    thread.join(10)
+    assert tokens == list(range(burst)) and reason == "abort"
+    assert "lost the connection" in other_error

@@ -175,12 +175,18 @@ class AsyncClient:
                 continue
             self._last_heard = time.monotonic()
             # at most READ_BATCH frames before the event loop runs anything else
-            for _ in range(READ_BATCH):
-                try:
-                    frame = frames.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle_frame(frame, frames)
+            self._take_received(frames, READ_BATCH)
+
+    def _take_received(self, sock: zmq.Socket, limit: int | None = None) -> None:
+        """Handles the frames already received on `sock` (up to `limit`), without waiting."""
+        taken = 0
+        while limit is None or taken < limit:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle_frame(frame, sock)
+            taken += 1
 
     def _handle_frame(self, frame: bytes, sock: zmq.Socket) -> None:
         try:
@@ -214,6 +220,11 @@ class AsyncClient:
                         f"security handshake with the engine at {self.endpoint} failed "
                         f"(wrong or missing CurveZMQ server key?)"
                     )
+                if self._queues and self._sock is not None:
+                    # what the engine sent before the connection dropped (a drain's
+                    # finals, say) may still wait unread here: it goes first, so a request
+                    # that finished does not end in the error instead
+                    self._take_received(zmq.Socket.shadow(self._sock.underlying))
                 if self._queues or self._stats_waiters:
                     self._fail_all(EngineError(err))
         finally:
