@@ -111,11 +111,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    if args.chunk < 1 or args.threads < 1:
+        parser.error(f"--chunk and --threads must be >= 1 (got {args.chunk}, {args.threads})")
     torch.set_num_threads(args.threads)
 
-    source = resolve_model(args.model)
+    try:
+        source = resolve_model(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
     if source.kind != "gguf":
-        raise SystemExit(f"error: {args.model!r} is not a GGUF model")
+        parser.error(f"{args.model!r} is not a GGUF model")
     config = load_model_config(source)
     tokenizer = load_tokenizer(source)
     texts = [tokenizer.encode(t) for t in TEXTS]

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
+from test_model import _tiny_config
 
-from sarazmq.config import ModelConfig
 from sarazmq.kernels import TorchPagedAttention
 from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.perf.token_agreement import compare, pooled, teacher_forced_logits
@@ -53,20 +53,7 @@ def test_mismatches_are_refused(ref_shape: tuple, out_shape: tuple, ids: list[in
 
 
 def test_teacher_forced_logits_are_the_single_pass_in_any_chunks() -> None:
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position=128,
-    )
+    config = _tiny_config(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2)
     model = LlamaForCausalLM(config, TorchPagedAttention())
     model.random_init_(seed=3, std=0.3)
     ids = torch.randint(0, 64, (37,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -220,12 +220,13 @@ class AsyncClient:
                         f"security handshake with the engine at {self.endpoint} failed "
                         f"(wrong or missing CurveZMQ server key?)"
                     )
-                if self._queues and self._sock is not None:
+                pending = self._queues or self._stats_waiters
+                if pending and self._sock is not None:
                     # what the engine sent before the connection dropped (a drain's
                     # finals, say) may still wait unread here: it goes first, so a request
                     # that finished does not end in the error instead
                     self._take_received(zmq.Socket.shadow(self._sock.underlying))
-                if self._queues or self._stats_waiters:
+                if self._queues or self._stats_waiters:  # those still without an answer
                     self._fail_all(EngineError(err))
         finally:
             monitor.close(linger=0)
