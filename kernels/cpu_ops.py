@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .block_quant import block_quant_covers, block_quant_linear
-from .int8_dot import int8_block_linear
+from .int8_dot import int8_block_linear, int8_panels_linear
 from .linear_amx import (
     amx_linear_available,
     linear_tiles,
@@ -75,7 +75,9 @@ def int8_blocks_linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor | 
         or x.shape[1] != weight.in_features
     ):
         return None
-    out = int8_block_linear(x, blocks)  # [T, out]
+    panels = weight.int8_panels
+    # [T, out]
+    out = int8_block_linear(x, blocks) if panels is None else int8_panels_linear(x, panels)
     if out is not None and weight.bias is not None:
         out += weight.bias
     return out

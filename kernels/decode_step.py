@@ -16,6 +16,9 @@ model holds (float32, or those rounded to bf16) in registers and sums them in th
 matrix-vector kernel's order, so the results stay bitwise while a step streams a fraction
 of the bytes; where every matmul reads blocks the step takes up to
 `FUSED_MAX_ROWS_BLOCKS` sequences. Measurements behind both limits: docs/KERNELS.md.
+With `gguf_matmul="int8"` the model passes its Q4 matmuls as int8 panels (`Q4Panels`) and
+the step computes them as the per-op int8 path does (the same quantizer and kernel, so the
+same result; llama.cpp's precision, not the float path's).
 
 The per-layer pointer table's layout is declared once, in kernels/csrc/kernels.h
 (`DECODE_STEP_LAYER_SLOTS`): the step reads the slot names and each slot's shape from the
@@ -37,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .block_quant import BlockQuantWeight
+from .int8_dot import Q4Panels
 from .kv_int8 import INT8_SCALE_BYTES, is_int8_cache
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag, load_library
@@ -86,10 +90,11 @@ FUSED_MAX_ROWS_BLOCKS = {
 }
 
 
-Matmul = torch.Tensor | BlockQuantWeight
+Matmul = torch.Tensor | BlockQuantWeight | Q4Panels
 _KV_SLOTS = ("k_cache", "v_cache")  # a layer's KV caches, as kernels.h names their slots
 _SCALES = "_scales"  # slot "<matmul>_scales": that matmul's block scales
 _FORMAT = {"q4": 1, "q8": 2}  # kernels.h's DECODE_STEP_W_Q4, _Q8 (DECODE_STEP_W_PLAIN = 0)
+_FORMAT_INT8_PANELS = 3  # DECODE_STEP_W_I8P
 
 
 class DecodeLayerWeights(NamedTuple):
@@ -241,12 +246,16 @@ class FusedDecodeStep:
         if dtype not in _SYMBOLS:
             raise ValueError(f"fused decode step: unsupported dtype {dtype}")
         tensors = [final_norm]
-        blocks: list[BlockQuantWeight] = []
+        blocks: list[BlockQuantWeight | Q4Panels] = []
         cache_tensors: list[torch.Tensor] = []
         for weights, caches in zip(layers, kv_caches, strict=True):
             for t in weights:
-                (blocks if isinstance(t, BlockQuantWeight) else tensors).append(t)
+                (blocks if isinstance(t, (BlockQuantWeight, Q4Panels)) else tensors).append(t)
             cache_tensors.extend(caches)
+        # int8 panels: llama.cpp-style integer dot products, float32 steps only
+        self.int8 = any(isinstance(t, Q4Panels) for t in blocks)
+        if self.int8 and dtype != torch.float32:
+            raise ValueError("fused decode step: int8 panels need a float32 model")
         # int8 caches (rows of D int8 values and their scale): bf16 steps only
         self.kv_int8 = all(is_int8_cache(t) for t in cache_tensors)
         if self.kv_int8 and dtype != torch.bfloat16:
@@ -309,7 +318,7 @@ class FusedDecodeStep:
         for weights, caches in zip(layers, kv_caches, strict=True):
             row = [0] * len(layout.slots)
             for name, t in zip(DecodeLayerWeights._fields, weights, strict=True):
-                if isinstance(t, BlockQuantWeight):
+                if isinstance(t, (BlockQuantWeight, Q4Panels)):
                     row[slot[name]] = t.qs.data_ptr()
                     row[slot[name + _SCALES]] = t.scales.data_ptr()
                 else:
@@ -319,10 +328,13 @@ class FusedDecodeStep:
             ptrs.extend(row)
             for name in layout.matmuls:
                 w = getattr(weights, name)
-                formats.append(_FORMAT[w.kind] if isinstance(w, BlockQuantWeight) else 0)
+                if isinstance(w, Q4Panels):
+                    formats.append(_FORMAT_INT8_PANELS)
+                else:
+                    formats.append(_FORMAT[w.kind] if isinstance(w, BlockQuantWeight) else 0)
         self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._formats = (ctypes.c_int32 * len(formats))(*formats)
-        self.block_quant = bool(blocks)  # some matmul reads blocks
+        self.block_quant = bool(blocks)  # some matmul reads blocks (or int8 panels)
         self._all_blocks = len(blocks) == len(MATMULS) * len(layers)
         self._num_layers = len(layers)
         self._keep = (tensors, blocks)  # the table points into these

@@ -30,6 +30,8 @@ exact int32 dot products summed in float64, which the kernel matches to float32 
 from __future__ import annotations
 
 import ctypes
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +48,8 @@ class _Kernels:
         self.quantize: ctypes._CFuncPtr | None = None
         self.matmul: ctypes._CFuncPtr | None = None
         self.avx2 = False
+        self.vnni = False
+        self.probe: ctypes._CFuncPtr | None = None
         if lib is None or not hasattr(lib, "int8_block_matmul"):
             return
         self.quantize = lib.int8_quantize_rows
@@ -56,6 +60,16 @@ class _Kernels:
         self.matmul.restype = _I
         lib.int8_dot_avx2_built.restype = _I
         self.avx2 = bool(lib.int8_dot_avx2_built())
+        lib.int8_dot_vnni_built.restype = _I
+        self.vnni = bool(lib.int8_dot_vnni_built())
+        self.probe = lib.int8_peak_probe
+        self.probe.argtypes = [_L, _I]
+        self.probe.restype = _L
+        self.panels: ctypes._CFuncPtr | None = None
+        if hasattr(lib, "int8_q4_panels_matmul"):
+            self.panels = lib.int8_q4_panels_matmul
+            self.panels.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _L, _I, _I]
+            self.panels.restype = _I
 
 
 _kernels: list[_Kernels] = []
@@ -75,6 +89,28 @@ def int8_dot_available() -> bool:
 def int8_dot_avx2() -> bool:
     """Whether the AVX2 variant of the kernels was built for this CPU."""
     return _get().avx2
+
+
+def int8_dot_vnni() -> bool:
+    """Whether the built panels and probe use VPDPBUSD (AVX512-VNNI or AVX-VNNI CPUs)."""
+    return _get().vnni
+
+
+def probe_peak_macs(int8: bool, iters: int = 2_000_000) -> float:
+    """Multiply-accumulates per second of the C peak probe on every OpenMP thread, best of
+    3: int8 = True, chains of VPMADDUBSW summed in int16 (AVX2's int8 dot-accumulate), or
+    of VPDPBUSD where the build has it (`int8_dot_vnni`): the limit of the panel kernels;
+    False, chains of 256-bit float32 FMAs. 0.0 without the AVX2 build."""
+    kernels = _get()
+    if kernels.probe is None or not kernels.avx2:
+        return 0.0
+    kernels.probe(iters // 10, int(int8))  # warm up (clocks, threads)
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        macs = kernels.probe(iters, int(int8))
+        best = max(best, macs / (time.perf_counter() - t))
+    return best
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -189,6 +225,86 @@ def int8_block_linear(
         k,
         weight.qs.data_ptr(),
         weight.scales.data_ptr(),
+        out.data_ptr(),
+        n,
+        n,
+        int(portable),
+    )
+    return out if rc == 0 else None
+
+
+PANEL_COLUMNS = 8  # output columns interleaved in one panel (int8_panels.c)
+
+
+@dataclass(frozen=True)
+class Q4Panels:
+    """A Q4 weight [N, K] repacked for `int8_panels.c`: columns in groups of 8
+    interleaved, the nibbles unpacked to one byte each (twice the Q4 blocks' bytes).
+
+    qs uint8 [G, K/32, 8, 8, 4] (G = ceil(N / 8)): per group and block, run r holds each
+    of the 8 columns' weights 4r .. 4r+3 (column c at bytes 4c .. 4c+3 of the run; padding
+    columns 0); scales float32 [G, K/32, 2, 8]: the 8 columns' block scales d, then their
+    minimums m. shape: the weight's (N, K).
+    """
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales))
+
+
+def pack_q4_panels(weight: BlockQuantWeight) -> Q4Panels:
+    """The Q4 weight's panels (`Q4Panels`); ValueError for a Q8 weight (those keep the
+    block layout)."""
+    if not isinstance(weight, BlockQuantWeight) or weight.kind != "q4":
+        got = weight.kind if isinstance(weight, BlockQuantWeight) else type(weight).__name__
+        raise ValueError(f"int8 panels are built from q4 block weights, got {got}")
+    n, k = weight.shape
+    kb = k // BLOCK
+    groups = -(-n // PANEL_COLUMNS)
+    pad = groups * PANEL_COLUMNS - n
+    b = weight.qs.view(n, kb, 16)
+    q = torch.cat([b & 15, b >> 4], dim=-1)  # [N, KB, 32] in 0..15
+    scales = weight.scales  # [N, KB, 2]
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, kb, BLOCK)])
+        scales = torch.cat([scales, scales.new_zeros(pad, kb, 2)])
+    # [G, 8 cols, KB, 8 runs, 4] -> [G, KB, 8 runs, 8 cols, 4]
+    qs = q.view(groups, PANEL_COLUMNS, kb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    # [G, 8 cols, KB, 2] -> [G, KB, 2, 8 cols]
+    sc = scales.view(groups, PANEL_COLUMNS, kb, 2).permute(0, 2, 3, 1).contiguous()
+    return Q4Panels(qs, sc, (n, k))
+
+
+def int8_panels_linear(
+    x: torch.Tensor, panels: Q4Panels, *, portable: bool = False
+) -> torch.Tensor | None:
+    """`int8_block_linear` on the weight's panels (`pack_q4_panels`): the same math (the
+    same result up to float32 summation order), computed 8 columns a vector. None where
+    the library is not built. Raises ValueError as `int8_block_linear` does."""
+    _check_x(x)
+    if not isinstance(panels, Q4Panels):
+        raise ValueError(f"int8 panel matmul needs Q4Panels, got {type(panels).__name__}")
+    n, k = panels.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has K = {x.shape[1]}, the weight is {panels.shape} ([N, K])")
+    kernels = _get()
+    if kernels.panels is None:
+        return None
+    q, d, s = quantize_activations(x, portable=portable)
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    rc = kernels.panels(
+        q.data_ptr(),
+        d.data_ptr(),
+        s.data_ptr(),
+        m,
+        k,
+        panels.qs.data_ptr(),
+        panels.scales.data_ptr(),
         out.data_ptr(),
         n,
         n,

@@ -14,7 +14,10 @@ A matmul weight [out_features, in_features] of the model can be held four ways:
   (`attach_blocks`, `sarazmq.kernels.block_quant`), which decode rows read: bitwise the
   plain kernel's result from a fraction of the bytes; with `int8_blocks` set, every row
   reads them by int8 dot products instead (`sarazmq.kernels.int8_dot`, llama.cpp's
-  precision).
+  precision);
+- int8_panels: with `int8_blocks` set on Q4 blocks, the same weights repacked in panels of
+  8 interleaved columns (`sarazmq.kernels.int8_dot.Q4Panels`), which the per-op rows
+  read (the fused decode step keeps reading the blocks).
 
 The owner keeps them together with the weight's optional bias, reports the bytes
 each holds (`variant_bytes`), and can free the plain copy (`drop_plain`) once every path
@@ -29,10 +32,11 @@ import torch
 from torch import nn
 
 from .block_quant import BlockQuantWeight
+from .int8_dot import Q4Panels, pack_q4_panels
 from .linear_amx import pack_tiles, tiles_cover
 from .ops import can_prepack_linear, prepack_linear
 
-VARIANTS = ("plain", "packed", "tiles", "blocks")
+VARIANTS = ("plain", "packed", "tiles", "blocks", "int8_panels")
 
 
 class LinearWeight(nn.Module):
@@ -73,8 +77,10 @@ class LinearWeight(nn.Module):
         self.tiles: torch.Tensor | None = None  # the AMX kernel's layout (`prepack`)
         self.blocks: BlockQuantWeight | None = None  # the checkpoint's blocks (`attach_blocks`)
         # True: every row reads the blocks by integer dot products (float32 only,
-        # `sarazmq.kernels.int8_dot`: llama.cpp's precision, not the plain weight's result)
+        # `sarazmq.kernels.int8_dot`: llama.cpp's precision, not the plain weight's result);
+        # Q4 blocks then also in the panels that kernel reads fastest (`set_int8_blocks`)
         self.int8_blocks = False
+        self.int8_panels: Q4Panels | None = None
 
     @classmethod
     def empty(
@@ -140,6 +146,8 @@ class LinearWeight(nn.Module):
         self.packed = None
         self.tiles = None
         self.blocks = None
+        self.int8_blocks = False
+        self.int8_panels = None
 
     # ------------------------------------------------------------------ other variants
 
@@ -182,6 +190,9 @@ class LinearWeight(nn.Module):
                 f"(blocks {blocks.shape}, weight {tuple(plain.shape)})"
             )
         self.blocks = blocks
+        if self.int8_blocks:  # the panels held the old blocks
+            self.int8_panels = None
+            self.set_int8_blocks(True)
 
     def detach_blocks(self) -> None:
         """Forgets the blocks (decode rows then read the plain weight). ValueError once the
@@ -190,17 +201,31 @@ class LinearWeight(nn.Module):
             raise ValueError("the plain weight was dropped: decode rows read the blocks")
         self.blocks = None
         self.int8_blocks = False
+        self.int8_panels = None
+
+    def set_int8_blocks(self, on: bool) -> bool:
+        """Whether rows read the blocks by int8 dot products (`int8_blocks`); Q4 blocks are
+        repacked into `int8_panels` for it (dropped again when off). Only float32 weights
+        with blocks take it: returns whether it is on."""
+        on = on and self.blocks is not None and self.dtype == torch.float32
+        self.int8_blocks = on
+        if not on:
+            self.int8_panels = None
+        elif self.int8_panels is None and self.blocks is not None and self.blocks.kind == "q4":
+            self.int8_panels = pack_q4_panels(self.blocks)
+        return on
 
     # ------------------------------------------------------------------ accounting
 
     def variant_bytes(self) -> dict[str, int]:
-        """Bytes held per variant ("plain", "packed", "tiles", "blocks"; 0 where not held).
+        """Bytes held per variant (`VARIANTS`; 0 where not held).
         The packed copy is counted as its elements (oneDNN may pad it a little)."""
         return {
             "plain": 0 if self.weight is None else _tensor_bytes(self.weight),
             "packed": 0 if self.packed is None else _tensor_bytes(self.packed),
             "tiles": 0 if self.tiles is None else _tensor_bytes(self.tiles),
             "blocks": 0 if self.blocks is None else self.blocks.nbytes,
+            "int8_panels": 0 if self.int8_panels is None else self.int8_panels.nbytes,
         }
 
     @property

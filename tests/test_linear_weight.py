@@ -49,7 +49,13 @@ def _quantized(n: int, k: int, seed: int = 0) -> tuple[LinearWeight, object]:
 def test_variant_bytes_and_shape() -> None:
     w = LinearWeight.empty(48, 64, bias=True, dtype=torch.bfloat16)
     assert (w.out_features, w.in_features, w.dtype) == (48, 64, torch.bfloat16)
-    assert w.variant_bytes() == {"plain": 48 * 64 * 2, "packed": 0, "tiles": 0, "blocks": 0}
+    assert w.variant_bytes() == {
+        "plain": 48 * 64 * 2,
+        "packed": 0,
+        "tiles": 0,
+        "blocks": 0,
+        "int8_panels": 0,
+    }
     assert w.nbytes == 48 * 64 * 2
     if w.prepack():
         assert w.variant_bytes()["packed"] >= 48 * 64 * 2

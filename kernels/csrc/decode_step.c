@@ -37,7 +37,12 @@ enum {
 #undef MATMUL_ENUM
     F_PER_LAYER
 };
-enum { W_PLAIN = DECODE_STEP_W_PLAIN, W_Q4 = DECODE_STEP_W_Q4, W_Q8 = DECODE_STEP_W_Q8 };
+enum {
+    W_PLAIN = DECODE_STEP_W_PLAIN,
+    W_Q4 = DECODE_STEP_W_Q4,
+    W_Q8 = DECODE_STEP_W_Q8,
+    W_I8P = DECODE_STEP_W_I8P
+};
 
 const char *decode_step_layer_slots(void) {
 #define SLOT_NAME(name) #name " "
@@ -92,13 +97,30 @@ int decode_step_slot_shape(int slot, int hidden, int H, int Hkv, int D, int inte
     }
 }
 
+/* int8 panels (float32 steps): x's rows quantized per 32-block into qwork (xq int8
+ * [M, K], then xd and xs float32 [M, K/32]), then int8_panels.c's matmul: the per-op
+ * path's int8_panels_linear, call for call */
+static void linear_i8p_f32(const float *x, long xs, const void *w, const void *sc, float *y,
+                           long ys, int M, int N, int K, void *qwork) {
+    int8_t *xq = (int8_t *)qwork;
+    float *xd = (float *)(xq + (((long)M * K + 63) & ~63L)), *xsum = xd + (long)M * (K / 32);
+    int8_quantize_rows(x, xs, M, K, xq, xd, xsum, 0);
+    int8_q4_panels_matmul(xq, xd, xsum, M, K, (const uint8_t *)w, (const float *)sc, y, ys, N,
+                          0);
+}
+#define LINEAR_I8P_f32 linear_i8p_f32
+#define LINEAR_I8P_bf16(x, xs, w, sc, y, ys, M, N, K, qwork) (void)(qwork) /* refused up front */
+
 /* y = x w^T for one of the layer's matmuls, in its storage format (block_quant.c's
  * kernels are bitwise gemv_f32 / gemv_bf16 on the dequantized weight). Sizes were checked
  * up front. */
 #define DEFINE_LINEAR(SUF, T)                                                                  \
     static inline void linear_##SUF(int fmt, const T *x, long xs, const void *w,               \
-                                    const void *sc, T *y, long ys, int M, int N, int K) {      \
-        if (fmt == W_Q4)                                                                       \
+                                    const void *sc, T *y, long ys, int M, int N, int K,        \
+                                    void *qwork) {                                             \
+        if (fmt == W_I8P)                                                                      \
+            LINEAR_I8P_##SUF(x, xs, w, sc, y, ys, M, N, K, qwork);                             \
+        else if (fmt == W_Q4)                                                                  \
             gemv_q4_##SUF(x, xs, w, sc, y, ys, M, N, K);                                       \
         else if (fmt == W_Q8)                                                                  \
             gemv_q8_##SUF(x, xs, w, sc, y, ys, M, N, K);                                       \
@@ -110,9 +132,22 @@ DEFINE_LINEAR(bf16, uint16_t)
 
 /* Elements of the work buffer for M rows: residual, normed input and block output
  * [M, hidden] each, qkv [M, (H + 2 Hkv) D], attention output [M, H D], gate_up
- * [M, 2 inter] and the activation [M, inter]. */
-long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter) {
+ * [M, 2 inter] and the activation [M, inter]; then the int8 panels' quantized input
+ * (qwork_bytes, counted in 2-byte elements so that either dtype's buffer holds it, plus
+ * 64 bytes to align it). */
+static long qwork_bytes(int M, int hidden, int H, int D, int inter) {
+    long k = hidden > H * D ? hidden : (long)H * D;
+    k = k > inter ? k : inter;
+    return (((long)M * k + 63) & ~63L) + 2L * M * (k / 32) * (long)sizeof(float);
+}
+
+static long base_elems(int M, int hidden, int H, int Hkv, int D, int inter) {
     return (long)M * (3L * hidden + (long)(H + 2 * Hkv) * D + (long)H * D + 3L * inter);
+}
+
+long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter) {
+    return base_elems(M, hidden, H, Hkv, D, inter) +
+           (qwork_bytes(M, hidden, H, D, inter) + 64 + 1) / 2;
 }
 
 #define DEFINE_DECODE_STEP(NAME, T, SUF)                                                       \
@@ -124,15 +159,18 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
              int kv_int8) {                                                                    \
         const int q_n = H * D, kv_n = Hkv * D, qkv_n = q_n + 2 * kv_n;                         \
         /* everything checked before anything is written */                                    \
-        int plain = 0, blocks = 0;                                                             \
+        int plain = 0, blocks = 0, panels = 0;                                                 \
         for (int j = 0; j < F_PER_LAYER * num_layers; j++) {                                   \
             if (formats[j] == W_PLAIN)                                                         \
                 plain = 1;                                                                     \
             else if (formats[j] == W_Q4 || formats[j] == W_Q8)                                 \
                 blocks = 1;                                                                    \
+            else if (formats[j] == W_I8P && sizeof(T) == 4)                                    \
+                panels = 1;                                                                    \
             else                                                                               \
                 return -1;                                                                     \
         }                                                                                      \
+        if (panels && (hidden % 32 != 0 || q_n % 32 != 0 || inter % 32 != 0)) return -1;       \
         /* int8 caches (kv_int8.c's rows): bf16 steps on the AVX-512 decode item only */      \
         if (kv_int8 && (!KV_INT8_STEP_##SUF || (D != 64 && D != 128))) return -1;              \
         if (num_layers < 1 || M < 1 || D % 2 != 0 || D > 512 ||                                \
@@ -152,6 +190,7 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
         T *res = work, *h = res + (long)M * hidden, *x = h + (long)M * hidden;                 \
         T *qkv = x + (long)M * hidden, *attn = qkv + (long)M * qkv_n;                          \
         T *gu = attn + (long)M * q_n, *act = gu + 2L * M * inter;                              \
+        void *qwork = (void *)(((uintptr_t)(act + (long)M * inter) + 63) & ~(uintptr_t)63);    \
         memcpy(res, x_in, (size_t)M * hidden * sizeof(T));                                     \
         for (int l = 0; l < num_layers; l++) {                                                 \
             const void *const *p = layers + (long)l * L_PTRS;                                  \
@@ -159,7 +198,7 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
             rms_norm_##SUF(l ? x : res, hidden, l ? res : NULL, hidden, p[L_input_norm], h,    \
                            hidden, M, hidden, eps);                                            \
             linear_##SUF(f[F_qkv], h, hidden, p[L_qkv], p[L_qkv_scales], qkv, qkv_n, M, qkv_n, \
-                         hidden);                                                              \
+                         hidden, qwork);                                                       \
             rope_##SUF(qkv, qkv_n, cos, sin_signed, M, H + Hkv, D);                            \
             if (kv_int8) {                                                                     \
                 write_kv_cache_int8((const char *)(qkv + q_n), qkv_n,                          \
@@ -178,13 +217,14 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
                                              table_stride, lens, attn, M, H, Hkv, D,           \
                                              block_size, scale, num_blocks);                   \
             }                                                                                  \
-            linear_##SUF(f[F_o], attn, q_n, p[L_o], p[L_o_scales], x, hidden, M, hidden, q_n); \
+            linear_##SUF(f[F_o], attn, q_n, p[L_o], p[L_o_scales], x, hidden, M, hidden, q_n,  \
+                         qwork);                                                               \
             rms_norm_##SUF(x, hidden, res, hidden, p[L_post_norm], h, hidden, M, hidden, eps); \
             linear_##SUF(f[F_gate_up], h, hidden, p[L_gate_up], p[L_gate_up_scales], gu,       \
-                         2 * inter, M, 2 * inter, hidden);                                     \
+                         2 * inter, M, 2 * inter, hidden, qwork);                              \
             silu_mul_##SUF(gu, 2 * inter, act, inter, M, inter);                               \
             linear_##SUF(f[F_down], act, inter, p[L_down], p[L_down_scales], x, hidden, M,     \
-                         hidden, inter);                                                       \
+                         hidden, inter, qwork);                                                \
         }                                                                                      \
         rms_norm_##SUF(x, hidden, res, hidden, final_norm, out, hidden, M, hidden, eps);       \
         return 0;                                                                              \

@@ -233,6 +233,14 @@ int int8_dot_avx2_built(void) {
 #endif
 }
 
+int int8_dot_vnni_built(void) {
+#if defined(INT8_DOT_AVX2) && defined(INT8_DPBUSD)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int int8_quantize_rows(const float *x, long x_stride, int M, int K, int8_t *xq, float *xd,
                        float *xs, int portable) {
     if (M < 0 || K <= 0 || K % 32 != 0) return -1;
@@ -279,27 +287,35 @@ int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *
     return 0;
 }
 
-/* Peak probes for scripts/bench_int8_dot.py: `iters` rounds of independent accumulator
- * chains per thread (OpenMP). int8 = 1: 8 steps of VPMADDUBSW + VPMADDWD + VPADDD, 32
- * int8 MACs each (the AVX2 integer dot-accumulate, no per-block scaling); int8 = 0: 10
- * chains of VFMADD231PS (8 float32 MACs each). Returns the MACs done (all threads); the
- * caller times the call. 0 in builds without AVX2. */
+/* Peak probes for scripts/bench_int8_dot.py and bench_engine.py --int8: `iters` rounds of
+ * independent accumulator chains per thread (OpenMP). int8 = 1: 10 VPMADDUBSW a round, 32
+ * int8 MACs each, summed in int16 by VPADDW (int8_panels.c's inner loop, the fastest AVX2
+ * int8 dot-accumulate: VPMADDUBSW's throughput is the limit), or 8 VPDPBUSD where the
+ * build has it (INT8_DPBUSD, as the panels then use); int8 = 0: 10 chains of
+ * VFMADD231PS (8 float32 MACs each). Returns the MACs done (all threads); the caller times
+ * the call. 0 in builds without AVX2. */
 #if defined(INT8_DOT_AVX2)
 #define PROBE_BAR(v) __asm__ volatile("" : "+x"(v)) /* opaque: nothing hoisted */
+#define PROBE_CHAINS 10
 static __attribute__((noinline)) int probe_int8(long iters, int seed) {
-    const __m256i w = _mm256_set1_epi8(7), ones = _mm256_set1_epi16(1);
-    __m256i x0 = _mm256_set1_epi8((char)seed), x1 = x0, x2 = x0, x3 = x0;
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-#define PROBE_STEP(a, x) a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones))
-    for (long it = 0; it < iters; it++) { /* 8 steps (the chains carry only the 1-cycle add) */
-        PROBE_BAR(x0); PROBE_BAR(x1); PROBE_BAR(x2); PROBE_BAR(x3);
-        PROBE_STEP(a0, x0); PROBE_STEP(a1, x1); PROBE_STEP(a2, x2); PROBE_STEP(a3, x3);
-        PROBE_BAR(x0); PROBE_BAR(x1); PROBE_BAR(x2); PROBE_BAR(x3);
-        PROBE_STEP(a0, x0); PROBE_STEP(a1, x1); PROBE_STEP(a2, x2); PROBE_STEP(a3, x3);
+    const __m256i w = _mm256_set1_epi8(7);
+    __m256i x = _mm256_set1_epi8((char)seed);
+    __m256i a[PROBE_CHAINS];
+    for (int c = 0; c < PROBE_CHAINS; c++) a[c] = _mm256_setzero_si256();
+    /* PROBE_CHAINS independent chains: VPDPBUSD's latency (~5 cycles) times its throughput
+     * (2 a cycle) needs 10 in flight; VPADDW's 1-cycle chains need fewer */
+    for (long it = 0; it < iters; it++) {
+        PROBE_BAR(x);
+        for (int c = 0; c < PROBE_CHAINS; c++) {
+#if defined(INT8_DPBUSD)
+            a[c] = INT8_DPBUSD(a[c], w, x);
+#else
+            a[c] = _mm256_add_epi16(a[c], _mm256_maddubs_epi16(w, x));
+#endif
+        }
     }
-#undef PROBE_STEP
-    a0 = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3));
-    return _mm256_extract_epi32(a0, 0);
+    for (int c = 1; c < PROBE_CHAINS; c++) a[0] = _mm256_add_epi32(a[0], a[c]);
+    return _mm256_extract_epi32(a[0], 0);
 }
 
 static __attribute__((noinline)) int probe_f32(long iters, int seed) {
@@ -327,7 +343,7 @@ long int8_peak_probe(long iters, int int8) {
     {
         if (int8) {
             sink = probe_int8(iters, 1);
-            macs += iters * 8 * 32;
+            macs += iters * PROBE_CHAINS * 32;
         } else {
             sink = probe_f32(iters, 1);
             macs += iters * 10 * 8;

@@ -55,14 +55,31 @@ int gemv_q8_bf16(const uint16_t *x, long x_stride, const void *qs, const float *
  * the file). int8_quantize_rows: x float32 [M, K] (row stride x_stride) -> xq int8 [M, K],
  * xd (scale) and xs (scale * sum of the block's q) float32 [M, K/32]. int8_block_matmul:
  * y [M, N] (row stride y_stride) = xq . W^T, kind 4 (Q4 layout) or 8 (Q8 layout).
- * portable = 1: the plain C loops (int8_dot_avx2_built says whether the other exists). */
+ * portable = 1: the plain C loops (int8_dot_avx2_built says whether the other exists;
+ * int8_dot_vnni_built whether the panels and the probe use VPDPBUSD, INT8_DPBUSD). */
 int int8_dot_avx2_built(void);
+int int8_dot_vnni_built(void);
 long int8_peak_probe(long iters, int int8);
 int int8_quantize_rows(const float *x, long x_stride, int M, int K, int8_t *xq, float *xd,
                        float *xs, int portable);
 int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *xs, int M,
                       int K, const void *qs, const float *scales, float *y, long y_stride,
                       int N, int portable);
+/* VPDPBUSD on 256-bit vectors where the build has it (AVX512-VNNI with VL, or AVX-VNNI):
+ * unsigned x signed bytes multiplied and summed in fours straight into int32 lanes, one
+ * instruction where AVX2 takes VPMADDUBSW + VPADDW (+ VPMADDWD); bitwise the same sums for
+ * the kernels' operands (Q4 values 0..15 never saturate VPMADDUBSW's int16 pairs) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define INT8_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define INT8_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+
+/* int8_panels.c: the same math on Q4 weights repacked into panels of 8 interleaved columns
+ * (wq uint8 [ceil(N/8), K/32, 8, 8, 4], scales float32 [ceil(N/8), K/32, 2, 8]: d, m) */
+int int8_q4_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M, int K,
+                          const uint8_t *wq, const float *scales, float *y, long y_stride,
+                          int N, int portable);
 
 /* decode_attention_avx2.c: one float32 decode work item on AVX2 builds; 1 done, 0 not
  * taken (another build, head size or item size) */
@@ -158,9 +175,10 @@ int linear_amx_silu_mul_bf16(const uint16_t *x, long x_stride, const uint16_t *w
     X(input_norm) X(qkv) X(o) X(post_norm) X(gate_up) X(down) X(k_cache) X(v_cache)           \
     X(qkv_scales) X(o_scales) X(gate_up_scales) X(down_scales)
 /* The matmuls of a layer, in the order of its row of the formats table (one of
- * DECODE_STEP_W_PLAIN, _Q4, _Q8 per matmul) */
+ * DECODE_STEP_W_PLAIN, _Q4, _Q8 per matmul, or _I8P: Q4 panels read by int8 dot products,
+ * int8_panels.c, float32 steps only; the scales slot then holds the panels' scales) */
 #define DECODE_STEP_MATMULS(X) X(qkv) X(o) X(gate_up) X(down)
-enum { DECODE_STEP_W_PLAIN, DECODE_STEP_W_Q4, DECODE_STEP_W_Q8 };
+enum { DECODE_STEP_W_PLAIN, DECODE_STEP_W_Q4, DECODE_STEP_W_Q8, DECODE_STEP_W_I8P };
 
 /* the slot names, space-separated, in table order; the matmul names likewise */
 const char *decode_step_layer_slots(void);

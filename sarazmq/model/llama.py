@@ -456,15 +456,14 @@ class LlamaForCausalLM(nn.Module):
         "float" (the float32 weights rebuilt: bitwise the plain model) or "int8" (every row
         of a float32 model by int8 dot products, sarazmq.kernels.int8_dot: llama.cpp's
         precision). Returns how many matmul weights now take int8. The fused decode step
-        (decode-only steps, `fused_decode`) still reads the blocks as float32 weights:
-        int8 covers the per-op rows (prefill chunks, mixed batches, decode batches the
-        fused step does not take). ValueError for another mode."""
+        (decode-only steps, `fused_decode`) then reads the Q4 matmuls as int8 panels too
+        (`LinearWeight.int8_panels`; Q8 ones keep its float block kernel). ValueError for
+        another mode ("auto" is resolved before the model is built)."""
         if mode not in ("float", "int8"):
             raise ValueError(f"unknown gguf_matmul {mode!r}; choose 'float' or 'int8'")
         count = 0
         for _, w in self.matmul_weights():
-            w.int8_blocks = mode == "int8" and w.blocks is not None and w.dtype == torch.float32
-            count += w.int8_blocks
+            count += w.set_int8_blocks(mode == "int8")
         self.one_call_steps.forget()
         return count
 

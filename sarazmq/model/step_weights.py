@@ -40,12 +40,20 @@ def _layer_weights(
     return out
 
 
+def _decode_matmul(w: LinearWeight) -> Matmul | None:
+    if w.int8_panels is not None:  # gguf_matmul="int8": as the per-op rows read it
+        return w.int8_panels
+    if w.blocks is not None:
+        return w.blocks
+    return w.plain if w.has_plain else None
+
+
 def decode_step_weights(layers: Iterable[Any]) -> list[DecodeLayerWeights] | None:
-    """The fused decode step's view: a matmul as its quantized blocks where it has them,
-    else its plain weight; None where one is left with only a packed copy, or has a bias."""
-    return _layer_weights(
-        layers, lambda w: w.blocks if w.blocks is not None else (w.plain if w.has_plain else None)
-    )
+    """The fused decode step's view: a matmul as its int8 panels where the model computes
+    them by int8 dot products (`LinearWeight.int8_panels`), else as its quantized blocks
+    where it has them, else its plain weight; None where one is left with only a packed
+    copy, or has a bias."""
+    return _layer_weights(layers, _decode_matmul)
 
 
 def hybrid_step_weights(layers: Iterable[Any]) -> list[DecodeLayerWeights] | None:

@@ -1,0 +1,157 @@
+"""int8 matmuls on Q4 weights in panels of 8 interleaved columns (kernels/csrc/int8_panels.c,
+sarazmq.kernels.int8_dot.pack_q4_panels / int8_panels_linear): the packing holds the blocks'
+weights and scales exactly, the kernel (AVX2 and portable loops) matches the exact-integer
+reference to float32 rounding at every column count (partial last panels too), and the
+owners of the model's weights build the panels for int8 and use them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_int8_dot import PORTABLE, _assert_close_to_reference, _weight, _x
+
+from sarazmq.kernels.block_quant import BlockQuantWeight
+from sarazmq.kernels.cpu_ops import int8_blocks_linear
+from sarazmq.kernels.int8_dot import (
+    PANEL_COLUMNS,
+    Q4Panels,
+    int8_block_linear_reference,
+    int8_dot_available,
+    int8_panels_linear,
+    pack_q4_panels,
+)
+from sarazmq.kernels.linear_weight import LinearWeight
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
+
+
+def _unpack(panels: Q4Panels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The panels back to per-column rows: q uint8 [N, K], d and m float32 [N, K/32]."""
+    n, k = panels.shape
+    g, kb = panels.qs.shape[:2]
+    q = panels.qs.permute(0, 3, 1, 2, 4).reshape(g * PANEL_COLUMNS, k)[:n]
+    d = panels.scales[:, :, 0].permute(0, 2, 1).reshape(g * PANEL_COLUMNS, kb)[:n]
+    m = panels.scales[:, :, 1].permute(0, 2, 1).reshape(g * PANEL_COLUMNS, kb)[:n]
+    return q, d, m
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n", [8, 13, 64])
+def test_packing_holds_the_blocks(type_name: str, n: int) -> None:
+    weight = _weight(n, 96, type_name, seed=n)
+    panels = pack_q4_panels(weight)
+    groups = -(-n // PANEL_COLUMNS)
+    assert panels.shape == (n, 96)
+    assert tuple(panels.qs.shape) == (groups, 3, 8, PANEL_COLUMNS, 4)
+    assert tuple(panels.scales.shape) == (groups, 3, 2, PANEL_COLUMNS)
+    assert panels.nbytes == groups * PANEL_COLUMNS * (96 + 2 * 3 * 4)
+    q, d, m = _unpack(panels)
+    b = weight.qs.view(n, 3, 16)
+    assert torch.equal(q, torch.cat([b & 15, b >> 4], dim=-1).reshape(n, 96))
+    assert torch.equal(d, weight.scales[..., 0]) and torch.equal(m, weight.scales[..., 1])
+    # the padding columns of the last panel are zero weights with zero scales
+    pad = groups * PANEL_COLUMNS - n
+    if pad:
+        assert not bool(panels.qs[-1, :, :, -pad:].any()) and not bool(
+            panels.scales[-1, ..., -pad:].any()
+        )
+
+
+@pytest.mark.parametrize("portable", PORTABLE)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 64), (2, 8, 32), (3, 64, 96), (5, 33, 576), (70, 50, 160)]
+)
+def test_kernel_matches_reference(portable: bool, type_name: str, m: int, n: int, k: int) -> None:
+    weight = _weight(n, k, type_name, seed=m + n + k)
+    x = _x(m, k, seed=k)
+    y = int8_panels_linear(x, pack_q4_panels(weight), portable=portable)
+    assert y is not None and y.shape == (m, n) and y.dtype == torch.float32
+    _assert_close_to_reference(y, int8_block_linear_reference(x, weight), x, weight)
+
+
+def test_extreme_blocks() -> None:
+    """The int16 sums at their largest: nibbles 15 against activations of +-127 in every
+    position of a block (16 products of 1,905 per lane), zero scales, zero rows."""
+    n, k, m = 19, 128, 5
+    g = torch.Generator().manual_seed(3)
+    qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    qs[0] = 0xFF
+    qs[1] = 0
+    scales = torch.rand(n, k // 32, 2, generator=g) * 100.0
+    scales[2] = 0.0
+    weight = BlockQuantWeight("q4", qs, scales)
+    x = _x(m, k, 4, scale=1e4)
+    x[0] = 1e4  # all +127
+    x[1] = -1e4  # all -127
+    x[2] = 0.0
+    ref = int8_block_linear_reference(x, weight)
+    assert float(ref[0, 0]) > 0 and float(ref[1, 0]) < 0
+    panels = pack_q4_panels(weight)
+    for portable in PORTABLE:
+        y = int8_panels_linear(x, panels, portable=portable)
+        assert y is not None
+        _assert_close_to_reference(y, ref, x, weight)
+        assert not bool(y[2].any())  # zero rows give zeros
+        assert not bool(y[:, 2].any())  # zero scales give zeros
+
+
+def test_threads_and_no_rows() -> None:
+    panels = pack_q4_panels(_weight(72, 64, "Q4_1", 1))
+    y = int8_panels_linear(torch.zeros(0, 64), panels)
+    assert y is not None and y.shape == (0, 72)
+    x = _x(9, 64, 2)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(int8_panels_linear(x, panels))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(o is not None and torch.equal(o, outs[0]) for o in outs)
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="q4 block weights, got q8"):
+        pack_q4_panels(_weight(8, 64, "Q8_0", 0))
+    with pytest.raises(ValueError, match="got Tensor"):
+        pack_q4_panels(torch.zeros(8, 64))  # type: ignore[arg-type]
+    panels = pack_q4_panels(_weight(8, 64, "Q4_0", 0))
+    with pytest.raises(ValueError, match="K = 96"):
+        int8_panels_linear(torch.zeros(2, 96), panels)
+    with pytest.raises(ValueError, match="float32"):
+        int8_panels_linear(torch.zeros(2, 64, dtype=torch.bfloat16), panels)
+    with pytest.raises(ValueError, match="Q4Panels"):
+        int8_panels_linear(torch.zeros(2, 64), torch.zeros(8, 64))  # type: ignore[arg-type]
+
+
+def test_owner_builds_panels_for_int8_and_reads_them() -> None:
+    blocks = _weight(40, 64, "Q4_1", 5)
+    w = LinearWeight(blocks.dequantize())
+    w.attach_blocks(blocks, "w")
+    x = _x(6, 64, 6)
+    assert int8_blocks_linear(x, w) is None  # not set: the caller's float path
+    assert w.set_int8_blocks(True) and w.int8_panels is not None
+    assert w.variant_bytes()["int8_panels"] == w.int8_panels.nbytes > 0
+    out = int8_blocks_linear(x, w)
+    want = int8_panels_linear(x, w.int8_panels)
+    assert out is not None and want is not None and torch.equal(out, want)
+    # new blocks while int8 is on: the panels follow them
+    other = _weight(40, 64, "Q4_1", 7)
+    w.weight = torch.nn.Parameter(other.dequantize(), requires_grad=False)
+    w.attach_blocks(other, "w")
+    assert w.int8_panels is not None
+    assert torch.equal(_unpack(w.int8_panels)[1], other.scales[..., 0])
+    assert not w.set_int8_blocks(False) and w.int8_panels is None
+    assert w.variant_bytes()["int8_panels"] == 0
+    # Q8 blocks take int8 in their own layout; a bf16 owner does not take it at all
+    q8 = _weight(16, 64, "Q8_0", 8)
+    w8 = LinearWeight(q8.dequantize())
+    w8.attach_blocks(q8, "w8")
+    assert w8.set_int8_blocks(True) and w8.int8_panels is None
+    wb = LinearWeight(blocks.dequantize().bfloat16())
+    wb.attach_blocks(blocks, "wb")
+    assert not wb.set_int8_blocks(True) and wb.int8_panels is None
