@@ -18,8 +18,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 KV_CACHE_DTYPES = ("auto", "int8")
 #: "auto": the model's weights; "dummy": random weights of its shapes (`--load-format`)
 LOAD_FORMATS = ("auto", "dummy")
-# how matmuls on a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks compute (EngineConfig.gguf_matmul)
-GGUF_MATMULS = ("float", "int8")
+# how matmuls on a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 blocks compute (EngineConfig.gguf_matmul;
+# "auto" is resolved to one of the others before processes start, sarazmq.resolve)
+GGUF_MATMULS = ("auto", "float", "int8")
 RESTART_POLICIES = ("no", "on-failure")
 #: how a request is routed to one of several engine instances (`sarazmq.router`)
 ROUTER_POLICIES = ("round-robin", "least-load", "cache-aware")
@@ -187,8 +188,9 @@ class EngineConfig:
     # matmuls on a GGUF checkpoint's quantized blocks (CPU, float32): "float" rebuilds the
     # float32 weights (bitwise the dequantized model); "int8" quantizes the activations per
     # 32-block and takes integer dot products, llama.cpp's way and precision
-    # (sarazmq.kernels.int8_dot), on every row but the fused decode step's (float)
-    gguf_matmul: str = "float"
+    # (sarazmq.kernels.int8_dot); "auto" is int8 where that was measured faster (a GGUF
+    # model in float32 on an AVX2 CPU without AVX-512), else float (`resolve_gguf_matmul`)
+    gguf_matmul: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

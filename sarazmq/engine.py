@@ -66,7 +66,7 @@ class LLMEngine:
                 f"{config.decode_instances}): the in-process engine is one; use `sarazmq serve`"
             )
         self.config, self.model_config = resolve_engine_config(config)
-        log.info("engine: %s", describe_dtype(config.dtype, self.config.dtype))
+        log.info("engine: %s", describe_dtype(config, self.config))
         tokenizer = load_tokenizer(resolve_model(self.config.model, self.config.load_format))
         self.tokenizer = PromptTokenizer(
             tokenizer, self.model_config.vocab_size, self.config.scheduler.max_model_len

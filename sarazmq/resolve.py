@@ -8,6 +8,7 @@ import os
 import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
+from sarazmq.kernels.int8_dot import int8_dot_avx2, int8_dot_vnni
 from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.model.kv_cache import check_pipeline_parallel, kv_cache_bytes_per_block, stage_layers
 from sarazmq.model.loader import load_model_config, resolve_model
@@ -46,12 +47,44 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if native_bf16(device) else "float32"
 
 
-def describe_dtype(requested: str, resolved: str) -> str:
-    """One line for startup output: the dtype in use and why."""
+def describe_dtype_choice(requested: str, resolved: str) -> str:
+    """The dtype in use and why, for startup output."""
     if requested != "auto":
         return f"dtype {resolved}"
     why = "native bf16 on this device" if resolved == "bfloat16" else "no native bf16 here"
     return f"dtype {resolved} (auto: {why})"
+
+
+def resolve_gguf_matmul(mode: str, model_kind: str, device: str, dtype: str) -> str:
+    """How a model's GGUF blocks are multiplied: `mode` itself unless "auto", which is
+    "int8" for a GGUF model in float32 on a CPU where the int8 kernels were measured faster
+    than the float32 path (docs/KERNELS.md): AVX2 ones without AVX-512 (float FMAs as wide
+    as the integer ones), or ones built with VPDPBUSD (AVX512-VNNI / AVX-VNNI); else
+    "float" (AVX-512 without VNNI was not measured; bf16 runs the float path)."""
+    if mode != "auto":
+        return mode
+    fits = (
+        model_kind == "gguf"
+        and device == "cpu"
+        and dtype == "float32"
+        and int8_dot_avx2()
+        and (int8_dot_vnni() or not cpu_has_flag("avx512f"))
+    )
+    return "int8" if fits else "float"
+
+
+def describe_dtype(requested: EngineConfig, resolved: EngineConfig) -> str:
+    """The startup line's part on numerics: the dtype in use and why, and the GGUF
+    matmuls where they are int8."""
+    out = describe_dtype_choice(requested.dtype, resolved.dtype)
+    if resolved.gguf_matmul == "int8":
+        why = (
+            " (auto: float32 here; --gguf-matmul float for the float path)"
+            if requested.gguf_matmul == "auto"
+            else ""
+        )
+        out += f", GGUF matmuls int8{why}"
+    return out
 
 
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
@@ -115,6 +148,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
         config,
         device=device,
         dtype=dtype,
+        gguf_matmul=resolve_gguf_matmul(config.gguf_matmul, source.kind, device, dtype),
         scheduler=dataclasses.replace(sched, max_model_len=max_len),
         cache=dataclasses.replace(cache, num_blocks=num_blocks),
     )

@@ -3,6 +3,7 @@ against Hugging Face transformers on the same model, all measured in one run.
 
     python scripts/bench_engine.py [--dtype float32|bfloat16] [--runs 5] [--quick]
     python scripts/bench_engine.py --load-format dummy --model llama-2-7b --dtype bfloat16
+    python scripts/bench_engine.py --int8 --no-hf --no-e2e   # + the GGUF's int8 rows
 
 `--load-format dummy` measures a model of the named architecture's shapes with random
 weights (no checkpoint needed; transformers and llama.cpp, which need one, are skipped).
@@ -24,7 +25,16 @@ What it measures (median of --runs timed repetitions after one warm-up each):
   last position only, as its `generate` does), and its continuous batching
   `generate_batch` (16-token pages, 256-token batches) on the same requests;
 - llama.cpp on the same GGUF (its Q4_1 weights as stored), only if `llama_cpp`
-  (llama-cpp-python) is importable: prefill and a one-sequence decode step.
+  (llama-cpp-python) is importable: prefill and a one-sequence decode step;
+- with --int8 (a GGUF model in float32): the prefill, decode and hybrid rows with the
+  GGUF matmuls set to "float" and to "int8" (llama.cpp-style integer dot products, issue
+  38), alternated row by row, against each other and against the integer path's limits:
+  matmul FLOPs at the int8 probe's rate (`probe_peak_macs`: VPMADDUBSW or VPDPBUSD
+  chains), attention and the lm head at the float32 GEMM peak, or the bytes at the
+  bandwidth.
+
+The main table runs the engine as configured (`--gguf-matmul`, default auto: int8 for a
+GGUF model in float32 on AVX2 CPUs without AVX-512, see `sarazmq.resolve`).
 
 Limits (the "limit" column): the roofline of each batch, max(FLOPs / GEMM peak,
 bytes / bandwidth). FLOPs count the matmuls actually needed (linear layers, causal
@@ -60,16 +70,18 @@ from engine_bench.common import (
     DECODE_CTX,
     EAGER_AB_BATCHES,
     HYBRID_CHUNK,
+    INT8_DECODE_BATCHES,
     PREFILL_CHUNK,
     PROMPT_LEN,
     measure_machine,
 )
 from engine_bench.cost import model_cost
-from engine_bench.report import Measured, print_report
+from engine_bench.report import Measured, print_int8_report, print_report
 from engine_bench.runner_bench import RunnerBench
 
 from sarazmq import LLM, SamplingParams
-from sarazmq.config import LOAD_FORMATS
+from sarazmq.config import GGUF_MATMULS, LOAD_FORMATS
+from sarazmq.kernels.int8_dot import probe_peak_macs
 from sarazmq.options import EngineOptions
 
 # the shared traces folder beside the repository (../shared/traces)
@@ -81,6 +93,38 @@ DEFAULT_E2E_TRACE = os.path.join(
     "traces",
     "azure_llm_2023_conv.csv",
 )
+
+
+def measure_gguf_matmuls(
+    llm: LLM, bench: RunnerBench, runs: int
+) -> tuple[dict[str, float], dict[str, float]] | None:
+    """The --int8 rows (prefill, decode at 16 and 64 running, hybrid and its chunk), each
+    timed with the model's GGUF matmuls set to "float" and to "int8" in turn (the same
+    run, alternated row by row), then set back to the engine's choice: (float, int8);
+    None where no weight takes int8."""
+    model = llm.engine.runner.model
+    engine_mode = llm.engine.config.gguf_matmul
+    if model.set_gguf_matmul("int8") == 0:
+        model.set_gguf_matmul(engine_mode)
+        return None
+    rows: dict[str, dict[str, float]] = {"float": {}, "int8": {}}
+    try:
+        for mode in ("float", "int8"):
+            model.set_gguf_matmul(mode)
+            rows[mode]["prefill_chunked"] = bench.prefill(PREFILL_CHUNK, runs)
+        for mode in ("float", "int8"):
+            model.set_gguf_matmul(mode)
+            rows[mode]["prefill_single"] = bench.prefill(PROMPT_LEN, runs)
+        for b in INT8_DECODE_BATCHES:
+            for mode in ("float", "int8"):
+                model.set_gguf_matmul(mode)
+                rows[mode][f"decode_{b}"] = bench.decode(b, runs)
+        for mode in ("float", "int8"):
+            model.set_gguf_matmul(mode)
+            rows[mode]["hybrid"], rows[mode]["chunk"], _ = bench.hybrid(runs)
+    finally:
+        model.set_gguf_matmul(engine_mode)
+    return rows["float"], rows["int8"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="auto (cpu = native kernels where they build), cpu, torch",
     )
+    ap.add_argument(
+        "--gguf-matmul",
+        default="auto",
+        choices=GGUF_MATMULS,
+        help="as `sarazmq serve --gguf-matmul`, for the main table",
+    )
+    ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="also float against int8 GGUF matmuls, row by row (a GGUF model in float32)",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
@@ -112,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.runs < 1:
-        raise ValueError(f"--runs={args.runs} must be >= 1")
+        ap.error(f"--runs={args.runs} must be >= 1")
+    if args.int8 and args.dtype != "float32":
+        ap.error("--int8 compares against the float32 path: use --dtype float32")
     runs = 2 if args.quick else args.runs
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -127,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     peak, bw = measure_machine(dtype, args.quick)
+    int8_probe_start = probe_peak_macs(True) if args.int8 else 0.0
     print(
         f"machine: GEMM peak {peak / 1e9:,.0f} GFLOP/s ({args.dtype}), "
         f"read bandwidth {bw / 1e9:,.1f} GB/s",
@@ -154,9 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=64,
         num_threads=args.threads,
         attention_backend=args.attention_backend,
+        gguf_matmul=args.gguf_matmul,
     )
     cost = model_cost(llm, dtype)
-    print(f"attention backend in use: {llm.engine.runner.model.attention.name}", flush=True)
+    print(
+        f"attention backend in use: {llm.engine.runner.model.attention.name}; GGUF matmuls: "
+        f"{llm.engine.config.gguf_matmul} (`--gguf-matmul`, auto resolved)",
+        flush=True,
+    )
     if cost.block_weight_bytes is not None:
         plain = (cost.linear_params + cost.head_params) * cost.elem
         print(
@@ -181,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         b: bench.decode_eager_ab(b, runs) for b in EAGER_AB_BATCHES if b <= max(max_fused, 1)
     }
     print(f"ours done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    gguf_rows = measure_gguf_matmuls(llm, bench, runs) if args.int8 else None
+    if gguf_rows is not None:
+        print(f"ours float / int8 done ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
     e2e_ours = None
     if not args.no_e2e:
@@ -226,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     measured = Measured(ours, hf, llama_cpp, eager_ab, e2e_ours, e2e_hf, len(prompts), max_new)
     skipped = "skipped (--no-llama-cpp)" if llama_cpp_available() else "not installed (skipped)"
     print_report(measured, cost, peak, bw, args.dtype, skipped)
+    if args.int8:
+        if gguf_rows is None:
+            print("\n--int8: the model has no Q4/Q8 GGUF blocks in float32; no int8 rows")
+        else:
+            int8_peak = 2 * max(probe_peak_macs(True), int8_probe_start)
+            print_int8_report(*gguf_rows, cost, peak, bw, int8_peak)
     print(f"total {time.perf_counter() - t_start:.0f} s; command: python {' '.join(sys.argv)}")
     return 0
 

@@ -8,7 +8,8 @@
 # on a quiet machine (~12 minutes on an AVX-512 CPU, ~25 on an AVX2 one):
 #   OUT=peer_serving bash scripts/peer_serving.sh
 #   VLLM_DTYPE=float32 OUT=peer_serving bash scripts/peer_serving.sh   # vLLM in float32
-# PEERS picks the peers (default vllm): "llamacpp" serves the same GGUF with llama.cpp's
+# SARAZMQ_ARGS adds options to `sarazmq serve` (e.g. "--dtype float32" for float32 with its
+# int8 GGUF matmuls where `auto` picks them). PEERS picks the peers (default vllm): "llamacpp" serves the same GGUF with llama.cpp's
 # llama-server (scripts/llamacpp_serve.sh; LLAMA_SERVER=/path/to/llama-server), "vllm llamacpp"
 # both; scripts/peer_llamacpp.sh is PEERS=llamacpp.
 set -euo pipefail
@@ -62,7 +63,8 @@ workloads=(azure_code azure_conv saturation)
 
 spid="" lpid=""
 trap '[[ -n "$spid" ]] && kill -INT "$spid" 2>/dev/null; [[ -n "$lpid" ]] && kill -INT -- "-$lpid" 2>/dev/null; bash "$peer/stop.sh" "$PORT" >/dev/null 2>&1 || true' EXIT
-"$here/.venv/bin/sarazmq" serve --http-port "$PORT" > "$OUT/sarazmq-serve.log" 2>&1 &
+read -r -a sarazmq_args <<< "${SARAZMQ_ARGS:-}"
+"$here/.venv/bin/sarazmq" serve --http-port "$PORT" "${sarazmq_args[@]}" > "$OUT/sarazmq-serve.log" 2>&1 &
 spid=$!
 until curl -fsS -m 2 "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; do
   kill -0 "$spid" 2>/dev/null || { echo "sarazmq serve exited:"; tail -5 "$OUT/sarazmq-serve.log"; exit 1; }

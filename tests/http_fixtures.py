@@ -30,9 +30,11 @@ class HTTPServer:
 
 
 def start_http_server() -> Iterator[HTTPServer]:
-    # float32: outputs are compared with an in-process engine's, batched differently
+    # float32 and the float GGUF matmuls: outputs are compared with an in-process engine's,
+    # batched differently (bf16 or int8 roundings would follow the batches)
     config = EngineConfig(
         dtype="float32",
+        gguf_matmul="float",
         scheduler=SchedulerConfig(**ENGINE),
         cache=CacheConfig(block_size=16, num_blocks=NUM_KV_BLOCKS),
     )

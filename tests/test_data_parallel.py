@@ -26,6 +26,7 @@ LONG = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=8)
 ENGINE = dict(
     dtype="float32",  # compared with the in-process engine's outputs
+    gguf_matmul="float",  # int8 roundings would follow how batches are composed
     chunk_size=64,
     max_num_seqs=2,  # a replica runs two requests: the others wait (and can be moved)
     max_model_len=512,

@@ -38,9 +38,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
 def small_config(**kw: object) -> EngineConfig:
-    # float32: outputs are compared with the in-process engine's, batched differently, and
-    # bf16 roundings follow how a batch is composed
+    # float32 and the float GGUF matmuls: outputs are compared with the in-process
+    # engine's, batched differently, and bf16 or int8 roundings follow how a batch is composed
     kw.setdefault("dtype", "float32")
+    kw.setdefault("gguf_matmul", "float")
     kv_cache_dtype = str(kw.pop("kv_cache_dtype", "auto"))
     sched = SchedulerConfig(policy="sarathi", chunk_size=64, max_num_seqs=32, max_model_len=1024)
     cache = CacheConfig(block_size=16, num_blocks=1024, kv_cache_dtype=kv_cache_dtype)
@@ -51,6 +52,7 @@ def small_llm(**kw: object) -> LLM:
     """The in-process engine of `small_config` (float32 for the same reason)."""
     return LLM(
         dtype="float32",
+        gguf_matmul="float",
         scheduler="sarathi",
         chunk_size=64,
         max_num_seqs=32,

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.model]
 
 ENGINE = dict(
     dtype="float32",  # compared with the in-process engine's outputs
+    gguf_matmul="float",  # int8 roundings would follow how batches are composed
     chunk_size=64,
     max_model_len=512,
     num_kv_blocks=28,  # 448 tokens per instance: long outputs preempt on the decode side

@@ -82,7 +82,14 @@ def reference(hf_default_model: Any) -> Reference:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", max_model_len=2048, num_kv_blocks=2048, max_num_seqs=64)
+    # the float GGUF matmuls: bitwise the dequantized model transformers runs
+    return LLM(
+        dtype="float32",
+        gguf_matmul="float",
+        max_model_len=2048,
+        num_kv_blocks=2048,
+        max_num_seqs=64,
+    )
 
 
 def _compare(ours: list[int], logits: torch.Tensor) -> str:

@@ -35,7 +35,9 @@ def server(http_server: HTTPServer) -> HTTPServer:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(chunk_size=64, max_model_len=512, num_kv_blocks=256, dtype="float32")
+    return LLM(
+        chunk_size=64, max_model_len=512, num_kv_blocks=256, dtype="float32", gguf_matmul="float"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The default GGUF model with `gguf_matmul="int8"` (llama.cpp-style integer dot products on
-its Q4_1 blocks, sarazmq.kernels.int8_dot): its greedy tokens mostly agree with the float
-path's, and the option is validated."""
+its Q4_1 blocks, sarazmq.kernels.int8_dot; the default, "auto", where the CPU is AVX2
+without AVX-512): its greedy streams part from the float path's only at near ties, its
+next-token distributions stay close, and the option is validated."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ PROMPTS = [
 
 
 def test_option_and_config() -> None:
-    assert EngineOptions().gguf_matmul == "float" == EngineConfig().gguf_matmul
+    assert EngineOptions().gguf_matmul == "auto" == EngineConfig().gguf_matmul
     assert EngineOptions(gguf_matmul="int8").to_config().gguf_matmul == "int8"
     flags = {flag.name: flag for _, flag in option_flags()}
-    assert flags["--gguf-matmul"].choices == ("float", "int8")
+    assert flags["--gguf-matmul"].choices == ("auto", "float", "int8")
     with pytest.raises(ValueError, match="gguf_matmul"):
         EngineOptions(gguf_matmul="int4").to_config()
     assert engine_config({"gguf_matmul": "int8"}).gguf_matmul == "int8"
@@ -42,20 +43,23 @@ def test_option_and_config() -> None:
     assert r.exit_code == 2 and "'--gguf-matmul'" in r.output and "int4" in r.output
 
 
-def _agreement(a: list[int], b: list[int]) -> float:
-    """The fraction of positions up to the first difference (greedy runs diverge there)."""
-    same = 0
-    for x, y in zip(a, b, strict=False):
+# int8 logits differ from float32 ones by up to ~1 logit on this model (teacher-forced, all
+# matmuls int8), so greedy streams may part where the float path's top two are closer
+NEAR_TIE_NATS = 1.0
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two greedy streams differ (None: they never do)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
-            break
-        same += 1
-    return same / max(len(a), len(b), 1)
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @pytest.mark.model
 @pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
-def test_int8_greedy_tokens_mostly_agree_with_float() -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+def test_int8_greedy_streams_part_from_float_only_at_near_ties() -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     runs = {}
     for mode in ("float", "int8"):
         llm = LLM(
@@ -66,13 +70,22 @@ def test_int8_greedy_tokens_mostly_agree_with_float() -> None:
             num_threads=1,
             gguf_matmul=mode,
         )
-        runs[mode] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+        runs[mode] = llm.generate(PROMPTS, greedy)
         del llm
-    agree = [_agreement(f, i) for f, i in zip(runs["float"], runs["int8"], strict=True)]
-    first = sum(f[0] == i[0] for f, i in zip(runs["float"], runs["int8"], strict=True))
-    print(f"int8 vs float greedy: common prefix {agree}, first tokens equal {first}/6")
-    assert first >= 5
-    assert sum(agree) / len(agree) >= 0.5, agree
+    parted = 0
+    for f, i in zip(runs["float"], runs["int8"], strict=True):
+        at = _first_difference(f.token_ids, i.token_ids)
+        if at is None:
+            continue
+        parted += 1
+        top = f.logprobs[at]
+        assert top is not None and len(top.top_logprobs) == 2, top
+        gap = top.top_logprobs[0] - top.top_logprobs[1]
+        print(f"parted at {at}/{len(f.token_ids)}: float's top-2 gap {gap:.3f} nats")
+        # where the float path was sure, int8 picks the same token
+        assert gap < NEAR_TIE_NATS, (at, gap, f.token_ids, i.token_ids)
+    print(f"int8 vs float greedy: {parted}/{len(PROMPTS)} streams parted")
+    assert parted < len(PROMPTS)
 
 
 @pytest.mark.model

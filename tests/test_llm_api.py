@@ -22,9 +22,15 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # float32: tests below compare outputs across batchings, which bf16 roundings follow
+    # float32 and the float GGUF matmuls: tests below compare outputs across batchings,
+    # which bf16 or int8 roundings follow
     return LLM(
-        chunk_size=32, max_num_seqs=16, max_model_len=512, num_kv_blocks=256, dtype="float32"
+        chunk_size=32,
+        max_num_seqs=16,
+        max_model_len=512,
+        num_kv_blocks=256,
+        dtype="float32",
+        gguf_matmul="float",
     )
 
 
@@ -136,7 +142,12 @@ def test_enforce_eager_runs_op_by_op_with_the_same_tokens(llm: LLM) -> None:
     # decodes run the very same kernels, so greedy tokens are identical
     assert llm.engine.runner.model.fused_decode
     eager = LLM(
-        max_num_seqs=16, max_model_len=512, num_kv_blocks=64, enforce_eager=True, dtype="float32"
+        max_num_seqs=16,
+        max_model_len=512,
+        num_kv_blocks=64,
+        enforce_eager=True,
+        dtype="float32",
+        gguf_matmul="float",
     )
     assert eager.engine.runner.model.fused_decode is False
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -158,17 +169,58 @@ def test_auto_dtype_is_bf16_exactly_where_the_hardware_has_it(monkeypatch) -> No
         monkeypatch.setattr(resolve, "cpu_has_flag", lambda f, flags=flags: f in flags)
         assert resolve.resolve_dtype("auto", "cpu") == want
         assert resolve.resolve_dtype("float32", "cpu") == "float32"
-    assert "auto" in resolve.describe_dtype("auto", "float32")
-    assert resolve.describe_dtype("bfloat16", "bfloat16") == "dtype bfloat16"
+    assert "auto" in resolve.describe_dtype_choice("auto", "float32")
+    assert resolve.describe_dtype_choice("bfloat16", "bfloat16") == "dtype bfloat16"
+
+
+def test_auto_gguf_matmul_is_int8_exactly_where_it_was_measured_faster(monkeypatch) -> None:  # noqa: ANN001
+    import dataclasses
+
+    import sarazmq.resolve as resolve
+    from sarazmq.config import EngineConfig
+
+    monkeypatch.setattr(resolve, "int8_dot_avx2", lambda: True)
+    monkeypatch.setattr(resolve, "int8_dot_vnni", lambda: False)
+    monkeypatch.setattr(resolve, "cpu_has_flag", lambda f: False)  # AVX2, no AVX-512
+    assert resolve.resolve_gguf_matmul("auto", "gguf", "cpu", "float32") == "int8"
+    for kind, device, dtype in (
+        ("hf", "cpu", "float32"),  # safetensors: no blocks
+        ("gguf", "cpu", "bfloat16"),
+        ("gguf", "cuda", "float32"),
+    ):
+        assert resolve.resolve_gguf_matmul("auto", kind, device, dtype) == "float"
+    # explicit choices stay
+    assert resolve.resolve_gguf_matmul("float", "gguf", "cpu", "float32") == "float"
+    assert resolve.resolve_gguf_matmul("int8", "gguf", "cpu", "float32") == "int8"
+    monkeypatch.setattr(resolve, "cpu_has_flag", lambda f: f == "avx512f")
+    assert resolve.resolve_gguf_matmul("auto", "gguf", "cpu", "float32") == "float"
+    monkeypatch.setattr(resolve, "int8_dot_vnni", lambda: True)  # AVX-512 with VNNI
+    assert resolve.resolve_gguf_matmul("auto", "gguf", "cpu", "float32") == "int8"
+    assert resolve.resolve_gguf_matmul("auto", "gguf", "cpu", "bfloat16") == "float"
+    monkeypatch.setattr(resolve, "int8_dot_vnni", lambda: False)
+    monkeypatch.setattr(resolve, "cpu_has_flag", lambda f: False)
+    monkeypatch.setattr(resolve, "int8_dot_avx2", lambda: False)  # portable build only
+    assert resolve.resolve_gguf_matmul("auto", "gguf", "cpu", "float32") == "float"
+    # the startup line says it, and how to turn it off
+    asked = EngineConfig()
+    done = dataclasses.replace(asked, dtype="float32", gguf_matmul="int8")
+    line = resolve.describe_dtype(asked, done)
+    assert "GGUF matmuls int8 (auto:" in line and "--gguf-matmul float" in line
+    pinned = dataclasses.replace(asked, gguf_matmul="int8")
+    assert resolve.describe_dtype(pinned, done).endswith("GGUF matmuls int8")
+    assert "int8" not in resolve.describe_dtype(
+        asked, dataclasses.replace(done, gguf_matmul="float")
+    )
 
 
 def test_the_resolved_config_names_a_concrete_dtype() -> None:
     from sarazmq.config import EngineConfig
     from sarazmq.resolve import native_bf16, resolve_engine_config
 
-    assert EngineConfig().dtype == "auto"
+    assert EngineConfig().dtype == EngineConfig().gguf_matmul == "auto"
     resolved, _ = resolve_engine_config(EngineConfig())
     assert resolved.dtype == ("bfloat16" if native_bf16(resolved.device) else "float32")
+    assert resolved.gguf_matmul in ("float", "int8")
 
 
 def test_int8_kv_cache_keeps_the_greedy_outputs_nearly_unchanged(llm: LLM) -> None:
@@ -179,6 +231,7 @@ def test_int8_kv_cache_keeps_the_greedy_outputs_nearly_unchanged(llm: LLM) -> No
         max_model_len=512,
         num_kv_blocks=256,
         dtype="float32",
+        gguf_matmul="float",  # the cache's roundings alone
         kv_cache_dtype="int8",
     )
     k_cache, _ = int8.engine.runner.kv_caches[0]

@@ -101,7 +101,9 @@ def table_rows(browser: Any) -> list[list[str]]:
 
 
 def text_of(browser: Any, selector: str) -> str:
-    return browser.find_element(By.CSS_SELECTOR, selector).text
+    """The element's text, "" while the page has not drawn it yet (waits poll on)."""
+    found = browser.find_elements(By.CSS_SELECTOR, selector)
+    return found[0].text if found else ""
 
 
 # ---------------------------------------------------------------- dashboard
@@ -121,7 +123,11 @@ def test_dashboard_shows_a_running_replay_and_agrees_with_metrics(root: str, bro
     )
     requests = build_workload(spec)
     open_with_key(browser, f"{root}/dashboard")
-    wait_for(lambda: text_of(browser, "section.engine .iterations") != "-", 30, "first snapshot")
+    wait_for(
+        lambda: text_of(browser, "section.engine .iterations") not in ("", "-"),
+        30,
+        "first snapshot",
+    )
     with api(root) as client:  # the shared server has served other modules' requests
         before = metric(client.get("/metrics").text, "request_success_total", default=0.0)
 

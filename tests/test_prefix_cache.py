@@ -628,8 +628,15 @@ MODEL_CONFIGS = [
 def llm():
     from sarazmq import LLM
 
-    # float32: caching changes how prompts are chunked; bf16 roundings would follow that
-    return LLM(num_kv_blocks=160, max_model_len=1024, max_num_seqs=16, dtype="float32")
+    # float32 and the float GGUF matmuls: caching changes how prompts are chunked; bf16 or
+    # int8 roundings would follow that
+    return LLM(
+        num_kv_blocks=160,
+        max_model_len=1024,
+        max_num_seqs=16,
+        dtype="float32",
+        gguf_matmul="float",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -733,6 +740,7 @@ def test_deployment_hits_salt_and_reset_through_the_sdk() -> None:
 
     cfg = EngineConfig(
         dtype="float32",
+        gguf_matmul="float",
         scheduler=SchedulerConfig(chunk_size=64, max_model_len=1024),
         cache=CacheConfig(block_size=16, num_blocks=256),
     )

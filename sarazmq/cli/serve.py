@@ -173,7 +173,7 @@ def serve(
         raise click.ClickException(str(e)) from None
     sched = dep.config.scheduler
     click.echo(
-        f"sarazmq serving {dep.config.model} ({describe_dtype(config.dtype, dep.config.dtype)}, "
+        f"sarazmq serving {dep.config.model} ({describe_dtype(config, dep.config)}, "
         f"{sched.policy}, chunk {sched.chunk_size}, "
         f"tp {dep.config.tensor_parallel_size} x pp {dep.config.pipeline_parallel_size}"
         + (f" over {nnodes} nodes" if nnodes > 1 else "")

@@ -67,8 +67,8 @@ def build_model_runner(
     # blocks for decode rows) are freed: the same results in less memory (docs/KERNELS.md)
     model.prepack_linear_weights()
     model.drop_unused_plain_weights()
-    # int8 GGUF matmuls: the per-op rows (prefill chunks, hybrid batches) by integer dot
-    # products; decode-only steps keep the fused step where it runs (float, from the blocks)
+    # int8 GGUF matmuls (the config is resolved: "float" or "int8"): every matmul on Q4/Q8
+    # blocks by integer dot products, the fused decode step's included (on Q4 panels)
     int8_matmuls = model.set_gguf_matmul(config.gguf_matmul)
     if int8_matmuls:
         log.info("worker %d: %d GGUF matmuls by int8 dot products", rank, int8_matmuls)

@@ -16,6 +16,8 @@ DECODE_BATCHES = (1, 16, 64)
 # decode batches for the fused-step A/B, those the model's fused step takes (up to 8
 # sequences in bf16, 6 in float32; 16 and 32 where the model reads a GGUF's blocks)
 EAGER_AB_BATCHES = (1, 4, 8, 16, 32)
+# decode batches the --int8 rows measure (issue 38's goals: 16 and 64 running)
+INT8_DECODE_BATCHES = (16, 64)
 HYBRID_CHUNK = 256
 HYBRID_DECODES = 32
 

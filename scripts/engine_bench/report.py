@@ -239,3 +239,115 @@ def print_report(
         )
     else:
         print(f"llama.cpp: {llama_cpp_note}")
+
+
+def int8_limit_s(
+    cost: ModelCost,
+    q_lens: list[int],
+    k_lens: list[int],
+    sampled: int,
+    peak: float,
+    bw: float,
+    int8_peak: float,
+) -> float:
+    """The integer path's roofline for a batch: the decoder matmuls at the int8 probe's
+    rate (int8_peak, ops/s), attention and the lm head at the float32 GEMM peak, or the
+    bytes at the bandwidth, whichever takes longer."""
+    total = cost.flops(q_lens, k_lens, sampled)
+    linear = cost.base.linear_flops(sum(q_lens))
+    return max(linear / int8_peak + (total - linear) / peak, cost.bytes(k_lens) / bw)
+
+
+def print_int8_report(
+    ours: dict[str, float],
+    int8: dict[str, float],
+    cost: ModelCost,
+    peak: float,
+    bw: float,
+    int8_peak: float,
+) -> list[tuple[str, bool]]:
+    """The --int8 table: each row's times with float32 (`ours`) and int8 GGUF matmuls,
+    int8's speedup, and its fraction of the integer path's limit (`int8_limit_s`); then
+    issue 38's goals. Returns the goals as (name, met)."""
+    print()
+    print(
+        f"integer path (gguf_matmul=int8; int8 probe {int8_peak / 1e9:,.0f} GOP/s, "
+        f"{int8_peak / peak:.2f}x the float32 GEMM peak), float and int8 alternated row by "
+        "row in this run:"
+    )
+    print("| row | float32 | int8 | int8 / float32 | int8 limit | of int8 limit |")
+    print("|---|---|---|---|---|---|")
+    speed: dict[str, float] = {}
+    prefill = [
+        (
+            "prefill_chunked",
+            f"prefill {PROMPT_LEN} tok, {PREFILL_CHUNK}-token chunks",
+            PREFILL_CHUNK,
+        ),
+        ("prefill_single", f"prefill {PROMPT_LEN} tok, single pass", PROMPT_LEN),
+    ]
+    for key, label, chunk in prefill:
+        starts = range(0, PROMPT_LEN, chunk)
+        lim = sum(
+            int8_limit_s(
+                cost,
+                [min(chunk, PROMPT_LEN - s)],
+                [min(s + chunk, PROMPT_LEN)],
+                0,
+                peak,
+                bw,
+                int8_peak,
+            )
+            for s in starts
+        )
+        speed[key] = ours[key] / int8[key]
+        print(
+            f"| {label} | {PROMPT_LEN / ours[key]:,.0f} tok/s | {PROMPT_LEN / int8[key]:,.0f} "
+            f"tok/s | {speed[key]:.2f}x | {PROMPT_LEN / lim:,.0f} tok/s | "
+            f"{lim / int8[key]:.2f} |"
+        )
+    batches = sorted(int(k.split("_")[1]) for k in int8 if k.startswith("decode_"))
+    for b in batches:
+        key = f"decode_{b}"
+        lim = int8_limit_s(cost, [1] * b, [DECODE_CTX] * b, b, peak, bw, int8_peak)
+        speed[key] = ours[key] / int8[key]
+        print(
+            f"| decode step, {b} running x {DECODE_CTX} ctx | {1e3 * ours[key]:.2f} ms | "
+            f"{1e3 * int8[key]:.2f} ms | {speed[key]:.2f}x | {1e3 * lim:.2f} ms | "
+            f"{lim / int8[key]:.2f} |"
+        )
+    for key, label, q, k, sampled in (
+        (
+            "hybrid",
+            f"hybrid: {HYBRID_CHUNK}-tok chunk + {HYBRID_DECODES} decodes",
+            [1] * HYBRID_DECODES + [HYBRID_CHUNK],
+            [DECODE_CTX] * HYBRID_DECODES + [2 * HYBRID_CHUNK],
+            HYBRID_DECODES + 1,
+        ),
+        ("chunk", f"{HYBRID_CHUNK}-tok chunk alone", [HYBRID_CHUNK], [2 * HYBRID_CHUNK], 1),
+    ):
+        lim = int8_limit_s(cost, q, k, sampled, peak, bw, int8_peak)
+        speed[key] = ours[key] / int8[key]
+        print(
+            f"| {label} | {1e3 * ours[key]:.2f} ms | {1e3 * int8[key]:.2f} ms | "
+            f"{speed[key]:.2f}x | {1e3 * lim:.2f} ms | {lim / int8[key]:.2f} |"
+        )
+    chunk_lim = sum(
+        int8_limit_s(cost, [PREFILL_CHUNK], [s + PREFILL_CHUNK], 0, peak, bw, int8_peak)
+        for s in range(0, PROMPT_LEN, PREFILL_CHUNK)
+    )
+    goals = [
+        (
+            f"prefill in {PREFILL_CHUNK}-token chunks >= 1.5x float32",
+            speed["prefill_chunked"] >= 1.5,
+        ),
+        (
+            f"prefill in {PREFILL_CHUNK}-token chunks >= 0.8 of the int8 limit",
+            chunk_lim / int8["prefill_chunked"] >= 0.8,
+        ),
+    ]
+    goals += [
+        (f"decode at {b} running >= 1.3x float32", speed[f"decode_{b}"] >= 1.3) for b in batches
+    ]
+    print("int8 goals: " + "; ".join(f"{n}: {'met' if ok else 'NOT met'}" for n, ok in goals))
+    return goals
