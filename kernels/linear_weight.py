@@ -16,8 +16,8 @@ A matmul weight [out_features, in_features] of the model can be held four ways:
   reads them by int8 dot products instead (`sarazmq.kernels.int8_dot`, llama.cpp's
   precision);
 - int8_panels: with `int8_blocks` set on Q4 blocks, the same weights repacked in panels of
-  8 interleaved columns (`sarazmq.kernels.int8_dot.Q4Panels`), which the per-op rows
-  read (the fused decode step keeps reading the blocks).
+  8 interleaved columns (`sarazmq.kernels.int8_dot.Q4Panels`, one byte a weight), which
+  the per-op rows and the fused decode step read.
 
 The owner keeps them together with the weight's optional bias, reports the bytes
 each holds (`variant_bytes`), and can free the plain copy (`drop_plain`) once every path

@@ -9,9 +9,8 @@ set of texts (sarazmq.perf.token_agreement), as top-1 agreement and KL(float32 |
         python scripts/accuracy_gguf.py
 
 Every path sees the same token ids (our tokenizer's), so the rows differ by arithmetic
-only. int8 here covers every position (the prompts are prefilled in chunks); in serving,
-decode-only iterations keep the fused float step (docs/KERNELS.md), so generated tokens
-are closer to float32 than these prompt positions.
+only. int8 here covers every position (the prompts are prefilled in chunks), as in
+serving, where decode steps compute their matmuls by int8 dot products too.
 """
 
 from __future__ import annotations
