@@ -16,7 +16,7 @@ model holds (float32, or those rounded to bf16) in registers and sums them in th
 matrix-vector kernel's order, so the results stay bitwise while a step streams a fraction
 of the bytes; where every matmul reads blocks the step takes up to
 `FUSED_MAX_ROWS_BLOCKS` sequences. Measurements behind both limits: docs/KERNELS.md.
-With `gguf_matmul="int8"` the model passes its Q4 matmuls as int8 panels (`Q4Panels`) and
+With `gguf_matmul="int8"` the model passes its Q4 matmuls as int8 panels (`Int8Panels`) and
 the step computes them as the per-op int8 path does (the same quantizer and kernel, so the
 same result; llama.cpp's precision, not the float path's).
 
@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .block_quant import BlockQuantWeight
-from .int8_dot import Q4Panels
+from .int8_dot import Int8Panels
 from .kv_int8 import INT8_SCALE_BYTES, is_int8_cache
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag, load_library
@@ -90,7 +90,7 @@ FUSED_MAX_ROWS_BLOCKS = {
 }
 
 
-Matmul = torch.Tensor | BlockQuantWeight | Q4Panels
+Matmul = torch.Tensor | BlockQuantWeight | Int8Panels
 _KV_SLOTS = ("k_cache", "v_cache")  # a layer's KV caches, as kernels.h names their slots
 _SCALES = "_scales"  # slot "<matmul>_scales": that matmul's block scales
 _FORMAT = {"q4": 1, "q8": 2}  # kernels.h's DECODE_STEP_W_Q4, _Q8 (DECODE_STEP_W_PLAIN = 0)
@@ -246,16 +246,18 @@ class FusedDecodeStep:
         if dtype not in _SYMBOLS:
             raise ValueError(f"fused decode step: unsupported dtype {dtype}")
         tensors = [final_norm]
-        blocks: list[BlockQuantWeight | Q4Panels] = []
+        blocks: list[BlockQuantWeight | Int8Panels] = []
         cache_tensors: list[torch.Tensor] = []
         for weights, caches in zip(layers, kv_caches, strict=True):
             for t in weights:
-                (blocks if isinstance(t, (BlockQuantWeight, Q4Panels)) else tensors).append(t)
+                (blocks if isinstance(t, (BlockQuantWeight, Int8Panels)) else tensors).append(t)
             cache_tensors.extend(caches)
         # int8 panels: llama.cpp-style integer dot products, float32 steps only
-        self.int8 = any(isinstance(t, Q4Panels) for t in blocks)
+        self.int8 = any(isinstance(t, Int8Panels) for t in blocks)
         if self.int8 and dtype != torch.float32:
             raise ValueError("fused decode step: int8 panels need a float32 model")
+        if any(isinstance(t, Int8Panels) and t.kind != "q4" for t in blocks):
+            raise ValueError("fused decode step: it reads Q4 int8 panels only (Q8: blocks)")
         # int8 caches (rows of D int8 values and their scale): bf16 steps only
         self.kv_int8 = all(is_int8_cache(t) for t in cache_tensors)
         if self.kv_int8 and dtype != torch.bfloat16:
@@ -318,7 +320,7 @@ class FusedDecodeStep:
         for weights, caches in zip(layers, kv_caches, strict=True):
             row = [0] * len(layout.slots)
             for name, t in zip(DecodeLayerWeights._fields, weights, strict=True):
-                if isinstance(t, (BlockQuantWeight, Q4Panels)):
+                if isinstance(t, (BlockQuantWeight, Int8Panels)):
                     row[slot[name]] = t.qs.data_ptr()
                     row[slot[name + _SCALES]] = t.scales.data_ptr()
                 else:
@@ -328,7 +330,7 @@ class FusedDecodeStep:
             ptrs.extend(row)
             for name in layout.matmuls:
                 w = getattr(weights, name)
-                if isinstance(w, Q4Panels):
+                if isinstance(w, Int8Panels):
                     formats.append(_FORMAT_INT8_PANELS)
                 else:
                     formats.append(_FORMAT[w.kind] if isinstance(w, BlockQuantWeight) else 0)

@@ -66,9 +66,9 @@ class _Kernels:
         self.probe.argtypes = [_L, _I]
         self.probe.restype = _L
         self.panels: ctypes._CFuncPtr | None = None
-        if hasattr(lib, "int8_q4_panels_matmul"):
-            self.panels = lib.int8_q4_panels_matmul
-            self.panels.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _L, _I, _I]
+        if hasattr(lib, "int8_panels_matmul"):
+            self.panels = lib.int8_panels_matmul
+            self.panels.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _L, _I, _I, _I]
             self.panels.restype = _I
 
 
@@ -237,38 +237,54 @@ PANEL_COLUMNS = 8  # output columns interleaved in one panel (int8_panels.c)
 
 
 @dataclass(frozen=True)
-class Q4Panels:
-    """A Q4 weight [N, K] repacked for `int8_panels.c`: columns in groups of 8
-    interleaved, the nibbles unpacked to one byte each (twice the Q4 blocks' bytes).
+class Int8Panels:
+    """A Q4 or Q8 weight [N, K] repacked for `int8_panels.c`: columns in groups of 8
+    interleaved, one byte a weight (twice the Q4 blocks' bytes, the Q8 blocks' own).
 
     qs uint8 [G, K/32, 8, 8, 4] (G = ceil(N / 8)): per group and block, run r holds each
     of the 8 columns' weights 4r .. 4r+3 (column c at bytes 4c .. 4c+3 of the run; padding
-    columns 0); scales float32 [G, K/32, 2, 8]: the 8 columns' block scales d, then their
-    minimums m. shape: the weight's (N, K).
+    columns 0): Q4 values 0..15, or Q8 values + 128; scales float32 [G, K/32, 2, 8]: the 8
+    columns' block scales d, then their minimums m (Q8: -128 d, which takes the offset
+    back out through the activations' block sums). shape: the weight's (N, K); kind: "q4"
+    or "q8".
     """
 
     qs: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, int]
+    kind: str
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.scales))
 
 
-def pack_q4_panels(weight: BlockQuantWeight) -> Q4Panels:
-    """The Q4 weight's panels (`Q4Panels`); ValueError for a Q8 weight (those keep the
-    block layout)."""
-    if not isinstance(weight, BlockQuantWeight) or weight.kind != "q4":
+def int8_panels_take(kind: str) -> bool:
+    """Whether this build's panel kernel computes `kind` ("q4", "q8") weights on its
+    vector path: Q4 wherever the AVX2 kernels are built, Q8 only with VPDPBUSD (their
+    values + 128 would saturate VPMADDUBSW's int16 sums)."""
+    kernels = _get()
+    return kernels.panels is not None and kernels.avx2 and (kind == "q4" or kernels.vnni)
+
+
+def pack_int8_panels(weight: BlockQuantWeight) -> Int8Panels:
+    """The weight's panels (`Int8Panels`). ValueError for anything but Q4/Q8 blocks."""
+    if not isinstance(weight, BlockQuantWeight) or weight.kind not in ("q4", "q8"):
         got = weight.kind if isinstance(weight, BlockQuantWeight) else type(weight).__name__
-        raise ValueError(f"int8 panels are built from q4 block weights, got {got}")
+        raise ValueError(f"int8 panels are built from q4 or q8 block weights, got {got}")
     n, k = weight.shape
     kb = k // BLOCK
     groups = -(-n // PANEL_COLUMNS)
     pad = groups * PANEL_COLUMNS - n
-    b = weight.qs.view(n, kb, 16)
-    q = torch.cat([b & 15, b >> 4], dim=-1)  # [N, KB, 32] in 0..15
-    scales = weight.scales  # [N, KB, 2]
+    if weight.kind == "q4":
+        b = weight.qs.view(n, kb, 16)
+        q = torch.cat([b & 15, b >> 4], dim=-1)  # [N, KB, 32] in 0..15
+        scales = weight.scales  # [N, KB, 2]: d, m
+    else:
+        # [N, KB, 32] int8 -> q + 128 in 0..255: unsigned, as VPDPBUSD's first operand
+        q = (weight.qs.view(n, kb, BLOCK).to(torch.int16) + 128).to(torch.uint8)
+        d = weight.scales.view(n, kb)
+        scales = torch.stack([d, d * -128.0], dim=-1)  # [N, KB, 2]; exact (a power of 2)
     if pad:
         q = torch.cat([q, q.new_zeros(pad, kb, BLOCK)])
         scales = torch.cat([scales, scales.new_zeros(pad, kb, 2)])
@@ -276,24 +292,31 @@ def pack_q4_panels(weight: BlockQuantWeight) -> Q4Panels:
     qs = q.view(groups, PANEL_COLUMNS, kb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
     # [G, 8 cols, KB, 2] -> [G, KB, 2, 8 cols]
     sc = scales.view(groups, PANEL_COLUMNS, kb, 2).permute(0, 2, 3, 1).contiguous()
-    return Q4Panels(qs, sc, (n, k))
+    return Int8Panels(qs, sc, (n, k), weight.kind)
 
 
 def int8_panels_linear(
-    x: torch.Tensor, panels: Q4Panels, *, portable: bool = False
+    x: torch.Tensor, panels: Int8Panels, *, portable: bool = False
 ) -> torch.Tensor | None:
-    """`int8_block_linear` on the weight's panels (`pack_q4_panels`): the same math (the
+    """`int8_block_linear` on the weight's panels (`pack_int8_panels`): the same math (the
     same result up to float32 summation order), computed 8 columns a vector. None where
-    the library is not built. Raises ValueError as `int8_block_linear` does."""
+    the library is not built. Raises ValueError as `int8_block_linear` does, and for Q8
+    panels where the vector kernel cannot take them (`int8_panels_take`) unless
+    `portable`."""
     _check_x(x)
-    if not isinstance(panels, Q4Panels):
-        raise ValueError(f"int8 panel matmul needs Q4Panels, got {type(panels).__name__}")
+    if not isinstance(panels, Int8Panels):
+        raise ValueError(f"int8 panel matmul needs Int8Panels, got {type(panels).__name__}")
     n, k = panels.shape
     if x.shape[1] != k:
         raise ValueError(f"x has K = {x.shape[1]}, the weight is {panels.shape} ([N, K])")
     kernels = _get()
     if kernels.panels is None:
         return None
+    if not portable and kernels.avx2 and not int8_panels_take(panels.kind):
+        raise ValueError(
+            f"{panels.kind} panels need VPDPBUSD (AVX512-VNNI or AVX-VNNI), which this "
+            "build lacks; keep the block layout (int8_block_linear) or pass portable=True"
+        )
     q, d, s = quantize_activations(x, portable=portable)
     m = x.shape[0]
     out = torch.empty((m, n), dtype=torch.float32)
@@ -308,6 +331,7 @@ def int8_panels_linear(
         out.data_ptr(),
         n,
         n,
+        4 if panels.kind == "q4" else 8,
         int(portable),
     )
     return out if rc == 0 else None

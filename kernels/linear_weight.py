@@ -15,9 +15,10 @@ A matmul weight [out_features, in_features] of the model can be held four ways:
   plain kernel's result from a fraction of the bytes; with `int8_blocks` set, every row
   reads them by int8 dot products instead (`sarazmq.kernels.int8_dot`, llama.cpp's
   precision);
-- int8_panels: with `int8_blocks` set on Q4 blocks, the same weights repacked in panels of
-  8 interleaved columns (`sarazmq.kernels.int8_dot.Q4Panels`, one byte a weight), which
-  the per-op rows and the fused decode step read.
+- int8_panels: with `int8_blocks` set, the same weights repacked in panels of 8
+  interleaved columns (`sarazmq.kernels.int8_dot.Int8Panels`, one byte a weight; Q4
+  blocks, and Q8 ones on VPDPBUSD builds), which the per-op rows read, and the fused
+  decode step for Q4 ones.
 
 The owner keeps them together with the weight's optional bias, reports the bytes
 each holds (`variant_bytes`), and can free the plain copy (`drop_plain`) once every path
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from .block_quant import BlockQuantWeight
-from .int8_dot import Q4Panels, pack_q4_panels
+from .int8_dot import Int8Panels, int8_panels_take, pack_int8_panels
 from .linear_amx import pack_tiles, tiles_cover
 from .ops import can_prepack_linear, prepack_linear
 
@@ -80,7 +81,7 @@ class LinearWeight(nn.Module):
         # `sarazmq.kernels.int8_dot`: llama.cpp's precision, not the plain weight's result);
         # Q4 blocks then also in the panels that kernel reads fastest (`set_int8_blocks`)
         self.int8_blocks = False
-        self.int8_panels: Q4Panels | None = None
+        self.int8_panels: Int8Panels | None = None
 
     @classmethod
     def empty(
@@ -204,15 +205,20 @@ class LinearWeight(nn.Module):
         self.int8_panels = None
 
     def set_int8_blocks(self, on: bool) -> bool:
-        """Whether rows read the blocks by int8 dot products (`int8_blocks`); Q4 blocks are
-        repacked into `int8_panels` for it (dropped again when off). Only float32 weights
-        with blocks take it: returns whether it is on."""
+        """Whether rows read the blocks by int8 dot products (`int8_blocks`); the blocks are
+        repacked into `int8_panels` for it where the panel kernel takes their kind
+        (`int8_panels_take`: Q4 on AVX2, Q8 too with VPDPBUSD; dropped again when off).
+        Only float32 weights with blocks take it: returns whether it is on."""
         on = on and self.blocks is not None and self.dtype == torch.float32
         self.int8_blocks = on
         if not on:
             self.int8_panels = None
-        elif self.int8_panels is None and self.blocks is not None and self.blocks.kind == "q4":
-            self.int8_panels = pack_q4_panels(self.blocks)
+        elif (
+            self.int8_panels is None
+            and self.blocks is not None
+            and int8_panels_take(self.blocks.kind)
+        ):
+            self.int8_panels = pack_int8_panels(self.blocks)
         return on
 
     # ------------------------------------------------------------------ accounting

@@ -8,8 +8,9 @@ gate_up 576 -> 3072, down 1536 -> 576) and M rows, prints the milliseconds of
   takes up to 64 rows);
 - int8: the int8 kernel on the blocks' own layout (int8_dot.c), activation quantization
   included (q: the quantizer alone);
-- panel: the int8 kernel on Q4 panels of 8 interleaved columns (int8_panels.c, what the
-  model uses for Q4 weights), quantization included;
+- panel: the int8 kernel on panels of 8 interleaved columns (int8_panels.c, what the
+  model uses for Q4 weights, and for Q8 ones where VPDPBUSD is built), quantization
+  included;
 
 with the faster int8 path's GOP/s (2 M N K / time), each int8 path's speed over f32
 (f32 ms / its ms), and the faster one's fraction of the int8 limit (the peak probe: tight
@@ -35,7 +36,8 @@ from sarazmq.kernels.int8_dot import (
     int8_dot_avx2,
     int8_dot_vnni,
     int8_panels_linear,
-    pack_q4_panels,
+    int8_panels_take,
+    pack_int8_panels,
     probe_peak_macs,
     quantize_activations,
 )
@@ -72,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kind", choices=("q4", "q8"), default="q4")
+    ap.add_argument("--lm-head", action="store_true", help="also the LM head (49152 x 576)")
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,11 +93,12 @@ def main() -> None:
     )
     print(head)
     print("-" * len(head))
-    for name, (n, k) in SHAPES.items():
+    shapes = {**SHAPES, "lm_head": (49152, 576)} if args.lm_head else SHAPES
+    for name, (n, k) in shapes.items():
         w = make_weight(n, k, args.kind, g)
         wf = w.dequantize()  # [N, K]
         wt = wf.T  # as F.linear / torch.matmul read it
-        panels = pack_q4_panels(w) if args.kind == "q4" else None
+        panels = pack_int8_panels(w) if int8_panels_take(args.kind) else None
         for m in args.rows:
             x = torch.randn(m, k, generator=g)
             t_f = best_time(partial(torch.matmul, x, wt))

@@ -1,8 +1,10 @@
-"""int8 matmuls on Q4 weights in panels of 8 interleaved columns (kernels/csrc/int8_panels.c,
-sarazmq.kernels.int8_dot.pack_q4_panels / int8_panels_linear): the packing holds the blocks'
-weights and scales exactly, the kernel (AVX2 and portable loops) matches the exact-integer
-reference to float32 rounding at every column count (partial last panels too), and the
-owners of the model's weights build the panels for int8 and use them."""
+"""int8 matmuls on Q4 and Q8 weights in panels of 8 interleaved columns
+(kernels/csrc/int8_panels.c, sarazmq.kernels.int8_dot.pack_int8_panels /
+int8_panels_linear): the packing holds the blocks' weights and scales exactly, the kernel
+(vector and portable loops) matches the exact-integer reference to float32 rounding at
+every column count (partial last panels too), Q8 panels run only where VPDPBUSD is built
+(else a clear error), and the owners of the model's weights build the panels for int8 and
+use them."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from sarazmq.kernels.block_quant import BlockQuantWeight
 from sarazmq.kernels.cpu_ops import int8_blocks_linear
 from sarazmq.kernels.int8_dot import (
     PANEL_COLUMNS,
-    Q4Panels,
+    Int8Panels,
     int8_block_linear_reference,
     int8_dot_available,
     int8_panels_linear,
-    pack_q4_panels,
+    int8_panels_take,
+    pack_int8_panels,
 )
 from sarazmq.kernels.linear_weight import LinearWeight
 
@@ -27,7 +30,7 @@ torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
 
 
-def _unpack(panels: Q4Panels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unpack(panels: Int8Panels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The panels back to per-column rows: q uint8 [N, K], d and m float32 [N, K/32]."""
     n, k = panels.shape
     g, kb = panels.qs.shape[:2]
@@ -41,7 +44,7 @@ def _unpack(panels: Q4Panels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("n", [8, 13, 64])
 def test_packing_holds_the_blocks(type_name: str, n: int) -> None:
     weight = _weight(n, 96, type_name, seed=n)
-    panels = pack_q4_panels(weight)
+    panels = pack_int8_panels(weight)
     groups = -(-n // PANEL_COLUMNS)
     assert panels.shape == (n, 96)
     assert tuple(panels.qs.shape) == (groups, 3, 8, PANEL_COLUMNS, 4)
@@ -51,6 +54,7 @@ def test_packing_holds_the_blocks(type_name: str, n: int) -> None:
     b = weight.qs.view(n, 3, 16)
     assert torch.equal(q, torch.cat([b & 15, b >> 4], dim=-1).reshape(n, 96))
     assert torch.equal(d, weight.scales[..., 0]) and torch.equal(m, weight.scales[..., 1])
+    assert panels.kind == "q4"
     # the padding columns of the last panel are zero weights with zero scales
     pad = groups * PANEL_COLUMNS - n
     if pad:
@@ -59,15 +63,33 @@ def test_packing_holds_the_blocks(type_name: str, n: int) -> None:
         )
 
 
+@pytest.mark.parametrize("n", [8, 13])
+def test_q8_packing_offsets_the_values_and_moves_them_back_through_m(n: int) -> None:
+    weight = _weight(n, 64, "Q8_0", seed=n)
+    panels = pack_int8_panels(weight)
+    assert panels.kind == "q8" and panels.shape == (n, 64)
+    q, d, m = _unpack(panels)
+    assert torch.equal(q.to(torch.int16) - 128, weight.qs.to(torch.int16))
+    assert torch.equal(d, weight.scales) and torch.equal(m, weight.scales * -128.0)
+
+
+def _runs(type_name: str, portable: bool) -> bool:
+    return portable or int8_panels_take("q8" if type_name == "Q8_0" else "q4")
+
+
 @pytest.mark.parametrize("portable", PORTABLE)
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize(
     ("m", "n", "k"), [(1, 37, 64), (2, 8, 32), (3, 64, 96), (5, 33, 576), (70, 50, 160)]
 )
 def test_kernel_matches_reference(portable: bool, type_name: str, m: int, n: int, k: int) -> None:
     weight = _weight(n, k, type_name, seed=m + n + k)
     x = _x(m, k, seed=k)
-    y = int8_panels_linear(x, pack_q4_panels(weight), portable=portable)
+    if not _runs(type_name, portable):
+        with pytest.raises(ValueError, match="VPDPBUSD"):
+            int8_panels_linear(x, pack_int8_panels(weight), portable=portable)
+        return
+    y = int8_panels_linear(x, pack_int8_panels(weight), portable=portable)
     assert y is not None and y.shape == (m, n) and y.dtype == torch.float32
     _assert_close_to_reference(y, int8_block_linear_reference(x, weight), x, weight)
 
@@ -89,7 +111,7 @@ def test_extreme_blocks() -> None:
     x[2] = 0.0
     ref = int8_block_linear_reference(x, weight)
     assert float(ref[0, 0]) > 0 and float(ref[1, 0]) < 0
-    panels = pack_q4_panels(weight)
+    panels = pack_int8_panels(weight)
     for portable in PORTABLE:
         y = int8_panels_linear(x, panels, portable=portable)
         assert y is not None
@@ -99,7 +121,7 @@ def test_extreme_blocks() -> None:
 
 
 def test_threads_and_no_rows() -> None:
-    panels = pack_q4_panels(_weight(72, 64, "Q4_1", 1))
+    panels = pack_int8_panels(_weight(72, 64, "Q4_1", 1))
     y = int8_panels_linear(torch.zeros(0, 64), panels)
     assert y is not None and y.shape == (0, 72)
     x = _x(9, 64, 2)
@@ -114,17 +136,38 @@ def test_threads_and_no_rows() -> None:
     assert all(o is not None and torch.equal(o, outs[0]) for o in outs)
 
 
+def test_q8_extreme_blocks() -> None:
+    """Q8 values at both ends (-128 and 127, stored 0 and 255) against +-127 activations:
+    VPDPBUSD's int32 sums hold them exactly."""
+    n, k, m = 11, 64, 3
+    qs = torch.randint(
+        -128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(1)
+    )
+    qs[0] = 127
+    qs[1] = -128
+    weight = BlockQuantWeight("q8", qs, torch.rand(n, k // 32) + 0.5)
+    x = _x(m, k, 4, scale=1e4)
+    x[0] = 1e4
+    x[1] = -1e4
+    ref = int8_block_linear_reference(x, weight)
+    panels = pack_int8_panels(weight)
+    for portable in PORTABLE:
+        if not _runs("Q8_0", portable):
+            continue
+        y = int8_panels_linear(x, panels, portable=portable)
+        assert y is not None
+        _assert_close_to_reference(y, ref, x, weight)
+
+
 def test_bad_inputs_raise() -> None:
-    with pytest.raises(ValueError, match="q4 block weights, got q8"):
-        pack_q4_panels(_weight(8, 64, "Q8_0", 0))
-    with pytest.raises(ValueError, match="got Tensor"):
-        pack_q4_panels(torch.zeros(8, 64))  # type: ignore[arg-type]
-    panels = pack_q4_panels(_weight(8, 64, "Q4_0", 0))
+    with pytest.raises(ValueError, match="q4 or q8 block weights, got Tensor"):
+        pack_int8_panels(torch.zeros(8, 64))  # type: ignore[arg-type]
+    panels = pack_int8_panels(_weight(8, 64, "Q4_0", 0))
     with pytest.raises(ValueError, match="K = 96"):
         int8_panels_linear(torch.zeros(2, 96), panels)
     with pytest.raises(ValueError, match="float32"):
         int8_panels_linear(torch.zeros(2, 64, dtype=torch.bfloat16), panels)
-    with pytest.raises(ValueError, match="Q4Panels"):
+    with pytest.raises(ValueError, match="Int8Panels"):
         int8_panels_linear(torch.zeros(2, 64), torch.zeros(8, 64))  # type: ignore[arg-type]
 
 
@@ -147,11 +190,38 @@ def test_owner_builds_panels_for_int8_and_reads_them() -> None:
     assert torch.equal(_unpack(w.int8_panels)[1], other.scales[..., 0])
     assert not w.set_int8_blocks(False) and w.int8_panels is None
     assert w.variant_bytes()["int8_panels"] == 0
-    # Q8 blocks take int8 in their own layout; a bf16 owner does not take it at all
+    # Q8 blocks take panels where VPDPBUSD is built, else int8 in their own layout; a
+    # bf16 owner does not take it at all
     q8 = _weight(16, 64, "Q8_0", 8)
     w8 = LinearWeight(q8.dequantize())
     w8.attach_blocks(q8, "w8")
-    assert w8.set_int8_blocks(True) and w8.int8_panels is None
+    assert w8.set_int8_blocks(True)
+    assert (w8.int8_panels is not None) == int8_panels_take("q8")
+    out8 = int8_blocks_linear(x, w8)
+    assert out8 is not None
+    _assert_close_to_reference(out8, int8_block_linear_reference(x, q8), x, q8)
     wb = LinearWeight(blocks.dequantize().bfloat16())
     wb.attach_blocks(blocks, "wb")
     assert not wb.set_int8_blocks(True) and wb.int8_panels is None
+
+
+def test_q8_panels_refused_where_vpdpbusd_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sarazmq.kernels import int8_dot, linear_weight
+
+    if not int8_dot.int8_dot_avx2():
+        pytest.skip("portable build: every kind runs the exact C loop")
+
+    # as an AVX2-only build answers
+    def take(kind: str) -> bool:
+        return kind == "q4"
+
+    monkeypatch.setattr(int8_dot, "int8_panels_take", take)
+    monkeypatch.setattr(linear_weight, "int8_panels_take", take)
+    panels = pack_int8_panels(_weight(8, 64, "Q8_0", 0))
+    with pytest.raises(ValueError, match="q8 panels need VPDPBUSD"):
+        int8_panels_linear(_x(2, 64, 1), panels)
+    assert int8_panels_linear(_x(2, 64, 1), panels, portable=True) is not None
+    q8 = _weight(16, 64, "Q8_0", 8)
+    w8 = LinearWeight(q8.dequantize())
+    w8.attach_blocks(q8, "w8")
+    assert w8.set_int8_blocks(True) and w8.int8_panels is None  # its own layout instead

@@ -1,11 +1,14 @@
-/* Integer-dot matmuls on Q4 weights repacked into panels of 8 interleaved columns (the
- * faster layout of int8_dot.c's math; kernels/int8_dot.py `pack_q4_panels` builds it).
+/* Integer-dot matmuls on GGUF weights repacked into panels of 8 interleaved columns (the
+ * faster layout of int8_dot.c's math; kernels/int8_dot.py `pack_int8_panels` builds it).
+ * Q4 weights are stored as their 0..15 values (weight_bits = 4); Q8 ones as q + 128 in
+ * 0..255 with m = -128 d (weight_bits = 8), the same formula below. 8-bit weights need
+ * VPDPBUSD's int32 sums (or the portable loop): the AVX2 build refuses them.
  *
  * Same result definition as int8_dot.c (activations quantized per 32-block; per block
  * y += dw * dx * dot(qw, qx) + mw * s), different layout and loop:
  *   wq uint8 [G, KB, 8, 8, 4]: G = ceil(N / 8) column groups; per group and block, 8 runs
  *      of 32 bytes, run r holding, for each of the group's 8 columns c, that column's
- *      weights 4r .. 4r+3 of the block (unsigned 0..15, one byte each; padding columns 0);
+ *      weights 4r .. 4r+3 of the block (unsigned, one byte each; padding columns 0);
  *   scales float32 [G, KB, 2, 8]: the group's 8 columns' d, then their m, of each block.
  * One run times the activation bytes 4r .. 4r+3 broadcast to every lane is one VPMADDUBSW:
  * 8 columns x 4 products summed in pairs to int16. A block's 8 runs add up in int16 without
@@ -19,7 +22,8 @@
  * Tiles of 2 rows x 2 column groups (weight runs shared by the rows, activation broadcasts
  * by the groups); OpenMP over spans of column groups whose weights stay in L1/L2 while
  * every row passes. `portable` = 1 runs the plain C loop. Returns 0, or -1 (nothing
- * written) for K not a positive multiple of 32 or a negative size. */
+ * written) for K not a positive multiple of 32, a negative size, or 8-bit weights on the
+ * VPMADDUBSW build. */
 #include <stdint.h>
 #include <string.h>
 
@@ -61,6 +65,14 @@ static void panels_c(const int8_t *xq, const float *xd, const float *xs, int M, 
 /* ------------------------------------------------------------------ AVX2 */
 
 #if defined(PANELS_AVX2)
+/* rows per tile: 4 where AVX-512VL gives 32 vector registers (8 sums, 8 accumulators, the
+ * weights and broadcasts fit), 2 with AVX2's 16 */
+#if defined(__AVX512VL__)
+#define TILE_MR 4
+#else
+#define TILE_MR 2
+#endif
+
 /* the 8 lanes of v into y (n valid columns: the last group may be partial) */
 static inline void store_cols(float *y, __m256 v, int n) {
     if (n >= 8) {
@@ -72,7 +84,8 @@ static inline void store_cols(float *y, __m256 v, int n) {
     memcpy(y, tmp, sizeof(float) * (size_t)n);
 }
 
-/* MR rows (1-2) from xq/xd/xs x NG groups (1-2) from g; y at (row 0, group g's column 0) */
+/* MR rows (1-TILE_MR) from xq/xd/xs x NG groups (1-2) from g; y at (row 0, group g's
+ * column 0) */
 static inline __attribute__((always_inline)) void tile(
     const int MR, const int NG, const int8_t *xq, const float *xd, const float *xs, int K,
     const uint8_t *wq, const float *scales, long g, float *y, long y_stride, int N) {
@@ -80,13 +93,13 @@ static inline __attribute__((always_inline)) void tile(
 #if !defined(INT8_DPBUSD)
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256 acc[2][2];
+    __m256 acc[TILE_MR][2];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NG; j++) acc[i][j] = _mm256_setzero_ps();
     for (int b = 0; b < KB; b++) {
-        __m256i s16[2][2]; /* int32 lanes with VPDPBUSD */
+        __m256i s16[TILE_MR][2]; /* int32 lanes with VPDPBUSD */
         for (int r = 0; r < 8; r++) {
-            __m256i w[2], x[2];
+            __m256i w[2], x[TILE_MR];
             for (int j = 0; j < NG; j++)
                 w[j] = _mm256_loadu_si256((const __m256i *)(wq + ((g + j) * KB + b) * 256L + 32 * r));
             for (int i = 0; i < MR; i++) {
@@ -140,11 +153,18 @@ static void span_avx2(const int8_t *xq, const float *xd, const float *xs, int M,
                       long g0, long g1) {
     const int KB = K / 32;
     int m = 0;
+    for (; m + TILE_MR <= M; m += TILE_MR) {
+        long g = g0;
+        for (; g + 2 <= g1; g += 2) TILE(TILE_MR, 2);
+        for (; g < g1; g++) TILE(TILE_MR, 1);
+    }
+#if TILE_MR > 2
     for (; m + 2 <= M; m += 2) {
         long g = g0;
         for (; g + 2 <= g1; g += 2) TILE(2, 2);
         for (; g < g1; g++) TILE(2, 1);
     }
+#endif
     for (; m < M; m++) {
         long g = g0;
         for (; g + 2 <= g1; g += 2) TILE(1, 2);
@@ -155,12 +175,17 @@ static void span_avx2(const int8_t *xq, const float *xd, const float *xs, int M,
 
 /* ------------------------------------------------------------------ entry point */
 
-int int8_q4_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M, int K,
-                          const uint8_t *wq, const float *scales, float *y, long y_stride,
-                          int N, int portable) {
-    if (M < 0 || N < 0 || K <= 0 || K % 32 != 0) return -1;
+int int8_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M, int K,
+                       const uint8_t *wq, const float *scales, float *y, long y_stride, int N,
+                       int weight_bits, int portable) {
+    if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || (weight_bits != 4 && weight_bits != 8))
+        return -1;
     if (M == 0 || N == 0) return 0;
 #if defined(PANELS_AVX2)
+#if !defined(INT8_DPBUSD)
+    /* 8-bit weights (up to 255) would saturate VPMADDUBSW's int16 pair sums */
+    if (weight_bits == 8 && !portable) return -1;
+#endif
     if (!portable) {
         const int KB = K / 32;
         const long G = (N + 7) / 8;

@@ -75,11 +75,12 @@ int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *
 #define INT8_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
 
-/* int8_panels.c: the same math on Q4 weights repacked into panels of 8 interleaved columns
- * (wq uint8 [ceil(N/8), K/32, 8, 8, 4], scales float32 [ceil(N/8), K/32, 2, 8]: d, m) */
-int int8_q4_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M, int K,
-                          const uint8_t *wq, const float *scales, float *y, long y_stride,
-                          int N, int portable);
+/* int8_panels.c: the same math on weights repacked into panels of 8 interleaved columns
+ * (wq uint8 [ceil(N/8), K/32, 8, 8, 4], scales float32 [ceil(N/8), K/32, 2, 8]: d, m);
+ * weight_bits 4 (Q4 values) or 8 (Q8 values + 128: VPDPBUSD builds or portable only) */
+int int8_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M, int K,
+                       const uint8_t *wq, const float *scales, float *y, long y_stride, int N,
+                       int weight_bits, int portable);
 
 /* decode_attention_avx2.c: one float32 decode work item on AVX2 builds; 1 done, 0 not
  * taken (another build, head size or item size) */

@@ -41,15 +41,16 @@ def _layer_weights(
 
 
 def _decode_matmul(w: LinearWeight) -> Matmul | None:
-    if w.int8_panels is not None:  # gguf_matmul="int8": as the per-op rows read it
-        return w.int8_panels
+    panels = w.int8_panels
+    if panels is not None and panels.kind == "q4":  # gguf_matmul="int8": as per-op rows
+        return panels
     if w.blocks is not None:
         return w.blocks
     return w.plain if w.has_plain else None
 
 
 def decode_step_weights(layers: Iterable[Any]) -> list[DecodeLayerWeights] | None:
-    """The fused decode step's view: a matmul as its int8 panels where the model computes
+    """The fused decode step's view: a matmul as its Q4 int8 panels where the model computes
     them by int8 dot products (`LinearWeight.int8_panels`), else as its quantized blocks
     where it has them, else its plain weight; None where one is left with only a packed
     copy, or has a bias."""
