@@ -189,7 +189,8 @@ class EngineConfig:
     # float32 weights (bitwise the dequantized model); "int8" quantizes the activations per
     # 32-block and takes integer dot products, llama.cpp's way and precision
     # (sarazmq.kernels.int8_dot); "auto" is int8 where that was measured faster (a GGUF
-    # model in float32 on an AVX2 CPU without AVX-512), else float (`resolve_gguf_matmul`)
+    # model in float32 on an AVX2 CPU without AVX-512 or a VNNI one), else float
+    # (`resolve_gguf_matmul`)
     gguf_matmul: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

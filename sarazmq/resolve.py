@@ -60,7 +60,14 @@ def resolve_gguf_matmul(mode: str, model_kind: str, device: str, dtype: str) -> 
     "int8" for a GGUF model in float32 on a CPU where the int8 kernels were measured faster
     than the float32 path (docs/KERNELS.md): AVX2 ones without AVX-512 (float FMAs as wide
     as the integer ones), or ones built with VPDPBUSD (AVX512-VNNI / AVX-VNNI); else
-    "float" (AVX-512 without VNNI was not measured; bf16 runs the float path)."""
+    "float" (AVX-512 without VNNI was not measured; bf16 runs the float path). ValueError
+    for "int8" asked where nothing would take it (not a GGUF model in float32 on the CPU)."""
+    if mode == "int8" and (model_kind != "gguf" or device != "cpu" or dtype != "float32"):
+        raise ValueError(
+            "gguf_matmul='int8' takes a GGUF model in float32 on the CPU; got a "
+            f"{model_kind} model, dtype {dtype} on {device} (use --dtype float32, or "
+            "--gguf-matmul auto/float)"
+        )
     if mode != "auto":
         return mode
     fits = (

@@ -34,7 +34,7 @@ What it measures (median of --runs timed repetitions after one warm-up each):
   bandwidth.
 
 The main table runs the engine as configured (`--gguf-matmul`, default auto: int8 for a
-GGUF model in float32 on AVX2 CPUs without AVX-512, see `sarazmq.resolve`).
+GGUF model in float32 where it was measured faster, `sarazmq.resolve.resolve_gguf_matmul`).
 
 Limits (the "limit" column): the roofline of each batch, max(FLOPs / GEMM peak,
 bytes / bandwidth). FLOPs count the matmuls actually needed (linear layers, causal

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_int8_dot import PORTABLE, _assert_close_to_reference, _weight, _x
+from test_int8_dot import (
+    PORTABLE,
+    _assert_close_to_reference,
+    _assert_same_at_thread_counts,
+    _weight,
+    _x,
+)
 
 from sarazmq.kernels.block_quant import BlockQuantWeight
 from sarazmq.kernels.cpu_ops import int8_blocks_linear
@@ -125,15 +131,7 @@ def test_threads_and_no_rows() -> None:
     y = int8_panels_linear(torch.zeros(0, 64), panels)
     assert y is not None and y.shape == (0, 72)
     x = _x(9, 64, 2)
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            outs.append(int8_panels_linear(x, panels))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(o is not None and torch.equal(o, outs[0]) for o in outs)
+    _assert_same_at_thread_counts(lambda: int8_panels_linear(x, panels))
 
 
 def test_q8_extreme_blocks() -> None:

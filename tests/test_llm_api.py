@@ -192,6 +192,14 @@ def test_auto_gguf_matmul_is_int8_exactly_where_it_was_measured_faster(monkeypat
     # explicit choices stay
     assert resolve.resolve_gguf_matmul("float", "gguf", "cpu", "float32") == "float"
     assert resolve.resolve_gguf_matmul("int8", "gguf", "cpu", "float32") == "int8"
+    # asked for where nothing would take it: an error naming it, not a silent float path
+    for kind, device, dtype in (
+        ("hf", "cpu", "float32"),
+        ("gguf", "cpu", "bfloat16"),
+        ("gguf", "cuda", "float32"),
+    ):
+        with pytest.raises(ValueError, match=f"gguf_matmul='int8'.*{kind} model, dtype {dtype}"):
+            resolve.resolve_gguf_matmul("int8", kind, device, dtype)
     monkeypatch.setattr(resolve, "cpu_has_flag", lambda f: f == "avx512f")
     assert resolve.resolve_gguf_matmul("auto", "gguf", "cpu", "float32") == "float"
     monkeypatch.setattr(resolve, "int8_dot_vnni", lambda: True)  # AVX-512 with VNNI
