@@ -34,15 +34,16 @@ def _get() -> ctypes._CFuncPtr | None:
 def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     """Index of each row's largest value of float32 CPU logits [N, V] (unit stride along
     a row, any row stride); None where the kernel does not apply (nothing computed)."""
-    fn = _get()
     if (
-        fn is None
-        or logits.dim() != 2
+        logits.dim() != 2
         or logits.dtype != torch.float32
         or logits.device.type != "cpu"
         or logits.shape[1] < 1
         or (logits.shape[1] > 1 and logits.stride(1) != 1)
     ):
+        return None  # decided before the library is loaded (compiled) at all
+    fn = _get()
+    if fn is None:
         return None
     rows, cols = logits.shape
     out = torch.empty(rows, dtype=torch.int64)

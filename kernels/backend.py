@@ -26,6 +26,10 @@ class AttentionBackend(Protocol):
 
     name: str
     ops: HotOps
+    # True where a decode-only batch's attention reads nothing but the metadata's tensors
+    # (no host lists, no host syncs), so its forward pass can be captured in a CUDA graph
+    # and replayed on new inputs (`sarazmq.worker.cuda_graphs`)
+    cuda_graph_safe: bool
 
     def forward(
         self,

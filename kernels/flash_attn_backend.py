@@ -55,6 +55,7 @@ class FlashAttnPagedAttention:
     """Paged attention through `flash_attn.flash_attn_varlen_func` with a block table."""
 
     name = "flash_attn"
+    cuda_graph_safe = False  # not run under capture yet (max_seqlen_k is a host int)
     # the model's other ops: plain PyTorch (on CUDA: torch's kernels)
     ops: HotOps = TORCH_OPS
 

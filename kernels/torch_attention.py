@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cpu_ops import TORCH_OPS, HotOps
 from .kv_int8 import dequantize_kv_rows, is_int8_cache, quantize_kv_rows
@@ -21,6 +22,9 @@ from .metadata import AttentionMetadata
 if TYPE_CHECKING:
     from .decode_step import DecodeLayerWeights, FusedDecodeStep, StepSizes
     from .hybrid_step import HybridStep
+
+#: the SDPA kernels the torch backend lets run on CUDA (not cuDNN's: see `forward`)
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def write_kv_cache(
@@ -88,6 +92,7 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    cuda_graph_safe = False  # per-sequence loops over the metadata's host lists
     # the model's other ops: plain PyTorch (CpuPagedAttention has C ones)
     ops: HotOps = TORCH_OPS
 
@@ -151,6 +156,24 @@ class TorchPagedAttention:
         k_cache, v_cache: [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
         """
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.is_cuda:
+            # cuDNN's attention failed on an H200 on these strided views (torch 2.11,
+            # docs/GPU.md): the flash, memory-efficient and math kernels only
+            with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+                return self._attend(q, k, v, k_cache, v_cache, meta, scale)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """`forward` once this step's k/v are in the caches."""
         nd = meta.num_decodes
         if 0 < nd == meta.num_seqs == q.shape[0]:
             return self._decodes(q, k_cache, v_cache, meta, scale)

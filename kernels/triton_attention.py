@@ -109,7 +109,10 @@ def _attend(
     return acc, l_i
 
 
-@triton.jit
+# Ints that change from step to step (the block tables' row stride grows with the longest
+# context, the prefills' first sequence index) are not specialized on (== 1, % 16): each
+# distinct specialization would be compiled again, mid-run.
+@triton.jit(do_not_specialize=["s_tb"])
 def _decode_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr,
     s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_tb, s_tn,
@@ -141,7 +144,7 @@ def _decode_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "s_tb"])
 def _prefill_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
     first_seq, s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_tb, s_tn,

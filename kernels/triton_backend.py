@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cpu_ops import TORCH_OPS, HotOps
+from .cpu_ops import HotOps
 from .metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -43,9 +43,9 @@ def triton_available(device: torch.device | str) -> bool:
     return True
 
 
-def _load_kernels() -> ModuleType:
+def _load_kernels(module: str = "triton_attention") -> ModuleType:
     try:
-        return importlib.import_module(f"{__package__}.triton_attention")
+        return importlib.import_module(f"{__package__}.{module}")
     except ImportError as exc:
         raise ImportError(
             "the triton attention backend needs the triton package (pip install triton), "
@@ -57,16 +57,18 @@ class TritonPagedAttention:
     """Paged attention through Triton kernels: the KV write, decodes (GQA heads of one KV
     head per program) and prefill chunks against their paged context, one launch each.
 
-    The model's other ops stay torch's (`TORCH_OPS`), as with the flash-attn backend: on
-    CUDA those are already single fused-enough kernels for RMSNorm/RoPE/SiLU.
+    The model's RMSNorm, RoPE and SiLU-and-multiply are Triton kernels too, one launch
+    each (`sarazmq.kernels.triton_ops`); matmuls are torch's (cuBLAS).
     """
 
     name = "triton"
-    ops: HotOps = TORCH_OPS
+    cuda_graph_safe = True  # decodes read only tensors: lengths, tables, slots
+    ops: HotOps  # TRITON_OPS, set when the kernels are loaded
 
     def __init__(self, block_size: int | None = None) -> None:
         """block_size: the KV cache's, checked now (a power of two) when given."""
         self._kernels = _load_kernels()
+        self.ops = _load_kernels("triton_ops").TRITON_OPS
         if block_size is not None:
             self._kernels.check_block_size(block_size)
         self.block_size = block_size

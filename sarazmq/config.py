@@ -169,6 +169,10 @@ class EngineConfig:
     # as one native call where the backend has one (the CPU's fused decode step, see
     # sarazmq.kernels.decode_step), as vLLM's enforce_eager turns off captured graphs
     enforce_eager: bool = False
+    # decode-only batches of up to this many sequences replay a captured CUDA graph (CUDA,
+    # with a backend whose decodes can be captured: triton; one worker per model); 0: never
+    # (sarazmq.worker.cuda_graphs). enforce_eager turns graphs off too, as in vLLM.
+    cuda_graph_max_batch: int = 128
     tensor_parallel_size: int = 1
     # pipeline stages: the layers split into this many contiguous groups, one worker group
     # (of tensor_parallel_size ranks) each; the scheduler keeps this many plans in flight
@@ -196,6 +200,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be >= 0 (0 = no graphs)"
+            )
         if self.gguf_matmul not in GGUF_MATMULS:
             raise ValueError(
                 f"unknown gguf_matmul {self.gguf_matmul!r}; choose one of {GGUF_MATMULS}"

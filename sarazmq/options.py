@@ -216,7 +216,18 @@ class EngineOptions:
     )
     enforce_eager: bool = _option(
         EngineConfig.enforce_eager,
-        Flag("--enforce-eager", "run the model op by op (no fused one-call decode step)"),
+        Flag(
+            "--enforce-eager",
+            "run the model op by op (no fused one-call decode step, no CUDA graphs)",
+        ),
+    )
+    cuda_graph_max_batch: int = _option(
+        EngineConfig.cuda_graph_max_batch,
+        Flag(
+            "--cuda-graph-max-batch",
+            "decode batches up to this size replay captured CUDA graphs (CUDA with the "
+            "triton attention backend; 0 = never)",
+        ),
     )
     device: str = _option(
         EngineConfig.device, Flag("--device", "auto: cuda when available, else cpu")
@@ -271,6 +282,7 @@ class EngineOptions:
             device=self.device,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            cuda_graph_max_batch=self.cuda_graph_max_batch,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,

@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -131,10 +132,35 @@ def random_batch(
     return (q, k, v, k_cache, v_cache), meta
 
 
+def cpu_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: Any,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch backend's attention in float32 on the CPU of copies of these inputs: (out,
+    k_cache, v_cache after the write). On the host, so that no device kernel can fail the
+    reference (cuDNN's attention did on an H200) and its precision exceeds the device's."""
+    from sarazmq.kernels.metadata import AttentionMetadata
+    from sarazmq.kernels.torch_attention import TorchPagedAttention
+
+    tables = [
+        row[: -(-k_len // k_cache.shape[1])]
+        for row, k_len in zip(meta.block_tables.cpu().tolist(), meta.k_lens)
+    ]
+    host = AttentionMetadata.build(meta.q_lens, meta.k_lens, tables, k_cache.shape[1])
+    ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
+    f32 = [x.float().cpu() for x in (q, k, v)]
+    out = TorchPagedAttention().forward(*f32, ref_k, ref_v, host, scale)
+    return out, ref_k, ref_v
+
+
 def part_kernels(device: torch.device, quick: bool) -> list[str]:
     """Triton (and flash-attn) attention against the torch reference on the device."""
     from sarazmq.kernels import triton_attention as ta
-    from sarazmq.kernels.torch_attention import TorchPagedAttention
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     atol = 3e-2 if dtype == torch.bfloat16 else 1e-4
@@ -151,46 +177,122 @@ def part_kernels(device: torch.device, quick: bool) -> list[str]:
         for hq in heads:
             for block in (16,) if small else (16, 32):
                 (q, k, v, kc, vc), meta = random_batch(seqs, hq, 64, block, dtype, device)
-                ref_k, ref_v = kc.clone(), vc.clone()
-                ref = TorchPagedAttention().forward(q, k, v, ref_k, ref_v, meta, 0.125)
+                ref, ref_k, ref_v = cpu_reference(q, k, v, kc, vc, meta, 0.125)
                 ta.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
                 out = ta.paged_attention(q, kc, vc, meta, 0.125)
-                err = (out.float() - ref.float()).abs().max().item()
-                same_cache = torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+                err = (out.float().cpu() - ref).abs().max().item()
+                same_cache = torch.equal(kc.float().cpu(), ref_k) and torch.equal(
+                    vc.float().cpu(), ref_v
+                )
                 ok = err <= atol and same_cache
                 lines.append(f"| triton {name} | {hq} | {block} | {err:.2e} | {ok} |")
+    return lines + ["", *elementwise_ops(device, dtype, small)]
+
+
+def elementwise_ops(device: torch.device, dtype: torch.dtype, small: bool) -> list[str]:
+    """The Triton backend's RMSNorm, RoPE and SiLU-and-multiply against torch's ops on the
+    device, at a Llama-3-8B layer's shapes (64 tokens): largest difference and the share of
+    elements that differ at all (rounding: a last-bit difference now and then)."""
+    from sarazmq.kernels.cpu_ops import TORCH_OPS
+    from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin
+    from sarazmq.kernels.triton_ops import TRITON_OPS
+
+    g = torch.Generator().manual_seed(1)
+    t, hidden, heads, d, inter = (8, 256, 10, 64, 300) if small else (64, 4096, 40, 128, 14336)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    x, res, w = rand(t, hidden), rand(t, hidden), rand(hidden)
+    qk, gate_up = rand(t, heads, d), rand(t, 2 * inter)
+    cache = build_rope_cache(d, 4096, 500000.0, None, device)
+    cos, sin = rope_cos_sin(torch.randint(0, 4096, (t,), generator=g).to(device), cache, dtype)
+    pairs = {
+        "rms_norm + residual": (
+            torch.cat(TRITON_OPS.rms_norm_(x, w, 1e-5, res.clone())),
+            torch.cat(TORCH_OPS.rms_norm_(x, w, 1e-5, res.clone())),
+        ),
+        "rope (q and k heads)": (
+            TRITON_OPS.apply_rope_(qk.clone(), cos, sin),
+            TORCH_OPS.apply_rope_(qk.clone(), cos, sin),
+        ),
+        "silu_mul": (TRITON_OPS.silu_mul(gate_up, inter), TORCH_OPS.silu_mul(gate_up, inter)),
+    }
+    lines = ["| triton op against torch's | max abs difference | elements that differ |"]
+    lines.append("|---|---|---|")
+    for name, (got, ref) in pairs.items():
+        diff = (got.float() - ref.float()).abs()
+        lines.append(
+            f"| {name} | {diff.max().item():.2e} | {(diff > 0).float().mean().item():.2%} |"
+        )
     return lines
 
 
+def part_torch_backend(device: torch.device) -> list[str]:
+    """The torch backend (`--attention-backend torch`) on the device against the float32
+    CPU reference: the SDPA kernels it lets run on CUDA (cuDNN's are excluded)."""
+    from sarazmq.kernels.torch_attention import TorchPagedAttention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    seqs = [(1, 40), (1, 513), (37, 37), (64, 200)]
+    (q, k, v, kc, vc), meta = random_batch(seqs, (32, 8), 128, 16, dtype, device)
+    ref, _, _ = cpu_reference(q, k, v, kc, vc, meta, 0.125)
+    out = TorchPagedAttention().forward(q, k, v, kc, vc, meta, 0.125)
+    err = (out.float().cpu() - ref).abs().max().item()
+    return [f"- a hybrid batch, heads (32, 8), head size 128: max abs error {err:.2e}"]
+
+
 def part_exactness(device: torch.device, max_tokens: int) -> list[str]:
-    """Greedy float32 tokens on the device against the CPU float32 path (on a CPU run:
-    the CPU kernels against the torch attention backend)."""
+    """Greedy float32 tokens and their logprobs on the device (decodes replayed from CUDA
+    graphs) against the CPU float32 path, and against the device op by op
+    (`enforce_eager`); on a CPU run: the CPU kernels against the torch backend."""
     from sarazmq import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    runs = [(device.type, "auto"), ("cpu", "auto" if device.type == "cuda" else "torch")]
-    tokens, names = [], []
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    if device.type == "cuda":
+        runs = [("cuda", "auto", False), ("cpu", "auto", False), ("cuda", "auto", True)]
+    else:
+        runs = [("cpu", "auto", False), ("cpu", "torch", False)]
+    results, names = [], []
     layers = ""
-    for dev, backend in runs:
+    for dev, backend, eager in runs:
         # float: the CPU reference must not take the int8 GGUF matmuls (issue 38)
         llm = LLM(
             dtype="float32",
             device=dev,
             attention_backend=backend,
+            enforce_eager=eager,
             num_kv_blocks=256,
             gguf_matmul="float",
         )
-        tokens.append([o.token_ids for o in llm.generate(PROMPTS, params)])
-        names.append(f"{dev} ({llm.engine.runner.model.attention.name} attention)")
-        layers = f"{llm.engine.runner.model.config.num_layers} layers"
+        outs = llm.generate(PROMPTS, params)
+        results.append([(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outs])
+        runner = llm.engine.runner
+        graphs = "" if runner.decode_graphs is None else ", CUDA graphs"
+        names.append(f"{dev} ({runner.model.attention.name} attention{graphs})")
+        layers = f"{runner.model.config.num_layers} layers"
         del llm
-    pairs = list(zip(*tokens))
-    same = sum(a == b for a, b in pairs)
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]
-    return [
-        f"- the default model ({layers}), {names[0]} against {names[1]}: {same} of {len(PROMPTS)} prompts give the same "
-        f"{max_tokens} greedy tokens; tokens equal before the first difference: {prefix}",
-    ]
+    lines = []
+    for other in range(1, len(runs)):
+        pairs = list(zip(results[0], results[other]))
+        same = sum(a[0] == b[0] for a, b in pairs)
+        prefix = [
+            next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), len(a[0]))
+            for a, b in pairs
+        ]
+        # logprobs of the tokens both chose, up to the first difference
+        diffs = [
+            abs(x - y)
+            for ((_, la), (_, lb)), n in zip(pairs, prefix)
+            for x, y in zip(la[:n], lb[:n])
+        ]
+        lines.append(
+            f"- the default model ({layers}), {names[0]} against {names[other]}: {same} of "
+            f"{len(PROMPTS)} prompts give the same {max_tokens} greedy tokens; tokens equal "
+            f"before the first difference: {prefix}; largest logprob difference "
+            f"{max(diffs, default=float('nan')):.2e}"
+        )
+    return lines
 
 
 def part_speed(device: torch.device, arch: str, limits: dict[str, float], quick: bool) -> list[str]:
@@ -200,6 +302,7 @@ def part_speed(device: torch.device, arch: str, limits: dict[str, float], quick:
     from engine_bench.runner_bench import RunnerBench
 
     from sarazmq import LLM
+    from sarazmq.kernels.cpu_ops import TORCH_OPS
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = (1, 16) if quick else (1, 16, 64)
@@ -216,7 +319,8 @@ def part_speed(device: torch.device, arch: str, limits: dict[str, float], quick:
     cost = model_cost(llm, dtype)
     bench = RunnerBench(llm)
     runs = 2 if quick else 5
-    rows = ["| shape | measured | limit | of limit |", "|---|---|---|---|"]
+    rows = ["| shape | measured | limit | of limit | op by op | graphs / op by op |"]
+    rows.append("|---|---|---|---|---|---|")
     chunks = list(range(0, PROMPT_LEN, PREFILL_CHUNK))
     flops = sum(
         cost.flops([PREFILL_CHUNK], [s + PREFILL_CHUNK], 1 if s == chunks[-1] else 0)
@@ -226,17 +330,44 @@ def part_speed(device: torch.device, arch: str, limits: dict[str, float], quick:
     limit = flops / limits["flops"]
     rows.append(
         f"| prefill {PROMPT_LEN} in {PREFILL_CHUNK}-token chunks | {PROMPT_LEN / t:,.0f} tok/s "
-        f"| {PROMPT_LEN / limit:,.0f} tok/s | {limit / t:.2f} |"
+        f"| {PROMPT_LEN / limit:,.0f} tok/s | {limit / t:.2f} | | |"
     )
+    runner = llm.engine.runner
+    attention = runner.model.attention
+    fused_ops = attention.ops
+    if fused_ops is not TORCH_OPS:  # the same op by op with torch's elementwise ops
+        attention.ops = TORCH_OPS
+        try:
+            t_torch = bench.prefill(PREFILL_CHUNK, runs)
+        finally:
+            attention.ops = fused_ops
+        rows.append(
+            f"| prefill, torch's elementwise ops | {PROMPT_LEN / t_torch:,.0f} tok/s | | "
+            f"{limit / t_torch:.2f} | | {fused_ops.name} ops {t_torch / t:.2f}x |"
+        )
+    graphs = runner.decode_graphs
     for b in batches:
-        t = bench.decode(b, runs)
+        # decode steps replayed from CUDA graphs (where the runner has them) and op by op
+        t, t_eager = bench.decode_graphs_ab(b, runs)
         k_lens = [DECODE_CTX] * b
         limit = max(cost.flops([1] * b, k_lens, b) / limits["flops"],
                     cost.bytes(k_lens) / limits["bandwidth"])  # fmt: skip
+        ratio = f"{t_eager / t:.2f}x" if graphs is not None else "(no graphs)"
         rows.append(
             f"| decode, {b} running at {DECODE_CTX} tokens | {b / t:,.0f} tok/s | "
-            f"{b / limit:,.0f} tok/s | {limit / t:.2f} |"
+            f"{b / limit:,.0f} tok/s | {limit / t:.2f} | {b / t_eager:,.0f} tok/s | {ratio} |"
         )
+        if fused_ops is not TORCH_OPS and b == batches[-1]:
+            attention.ops, runner.decode_graphs = TORCH_OPS, None
+            try:
+                t_torch = bench.decode(b, runs)
+            finally:
+                attention.ops, runner.decode_graphs = fused_ops, graphs
+            rows.append(
+                f"| decode, {b} running, op by op with torch's elementwise ops | "
+                f"{b / t_torch:,.0f} tok/s | | {limit / t_torch:.2f} | | "
+                f"{fused_ops.name} ops {t_torch / t_eager:.2f}x op by op |"
+            )
     return [f"{arch}, random weights, {dtype}, "
             f"attention {llm.engine.runner.model.attention.name}:", "", *rows]  # fmt: skip
 
@@ -263,6 +394,8 @@ def main() -> int:
         ("Attention kernels against the torch reference", lambda: part_kernels(device, args.quick)),
         ("Exactness against the CPU float32 path", lambda: part_exactness(device, args.tokens)),
         ("Speed at real shapes", lambda: part_speed(device, args.arch, limits, args.quick)),
+        # last: a device error here (as cuDNN's attention raised once) costs no other part
+        ("The torch backend on the device", lambda: part_torch_backend(device)),
     ]
     failed = 0
     for title, run in parts:

@@ -71,8 +71,6 @@ timeout "${GPU_CHECK_TIMEOUT:-330}" "$py" "$here/scripts/gpu_check.py" --device 
 check_rc=${PIPESTATUS[0]}
 
 # the replay's CSVs and plots stay out of the report folder (a lent machine returns 8 files)
-replay_dir="$(mktemp -d)"
-step "replay of an Azure conversation window on $device"
 trace="$here/../shared/traces/azure_llm_2023_conv.csv"
 start=9000
 if [ ! -f "$trace" ]; then  # the lent machine: the window gpu_carry.sh cut out
@@ -80,19 +78,34 @@ if [ ! -f "$trace" ]; then  # the lent machine: the window gpu_carry.sh cut out
   start=0
 fi
 [ -f "$trace" ] || trace=uniform  # neither: a synthetic load
-timeout "${GPU_CHECK_REPLAY_TIMEOUT:-150}" "$py" -m sarazmq.cli replay "$trace" --device "$device" "${replay_model[@]}" \
-  --max-requests "$requests" --start "$start" --max-input-tokens 1024 --max-output-tokens 64 \
-  --qps 4 --output-dir "$replay_dir" >"$report_dir/replay.txt" 2>&1
+
+# replay NAME [FLAGS...]: the window through a fresh deployment; its table into the report
+replay() {
+  local name="$1" dir rc
+  shift
+  dir="$(mktemp -d)"
+  step "replay ($name) of an Azure conversation window on $device"
+  timeout "${GPU_CHECK_REPLAY_TIMEOUT:-150}" "$py" -m sarazmq.cli replay "$trace" \
+    --device "$device" "${replay_model[@]}" "$@" --max-requests "$requests" --start "$start" \
+    --max-input-tokens 1024 --max-output-tokens 64 --qps 4 --output-dir "$dir" \
+    >"$report_dir/replay_$name.txt" 2>&1
+  rc=$?
+  cp "$dir/summary.json" "$report_dir/replay_${name}_summary.json" 2>/dev/null
+  tail -25 "$report_dir/replay_$name.txt" | tee -a "$log"
+  {
+    echo
+    echo "## Replay ($name) of $requests requests at 4 req/s (exit $rc)"
+    echo
+    echo '```'
+    tail -14 "$report_dir/replay_$name.txt"
+    echo '```'
+  } >>"$report_dir/report.md"
+  return $rc
+}
+replay default
 replay_rc=$?
-cp "$replay_dir/summary.json" "$report_dir/replay_summary.json" 2>/dev/null
-tail -25 "$report_dir/replay.txt" | tee -a "$log"
-{
-  echo
-  echo "## Replay of $requests requests at 4 req/s (exit $replay_rc)"
-  echo
-  echo '```'
-  tail -25 "$report_dir/replay.txt"
-  echo '```'
-} >>"$report_dir/report.md"
+if [ "$device" = cuda ]; then  # the same window op by op: what the CUDA graphs change
+  replay eager --enforce-eager || replay_rc=1
+fi
 step "done: gpu_check.py exit $check_rc, replay exit $replay_rc; report $report_dir/report.md"
 [ "$check_rc" = 0 ] && [ "$replay_rc" = 0 ]

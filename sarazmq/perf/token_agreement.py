@@ -53,7 +53,9 @@ def teacher_forced_logits(model: LlamaForCausalLM, ids: list[int], chunk: int) -
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
             part = ids[start : start + chunk]
-            meta = AttentionMetadata.build([len(part)], [start + len(part)], [table], _BLOCK)
+            meta = AttentionMetadata.build(
+                [len(part)], [start + len(part)], [table], _BLOCK, device
+            )
             positions = torch.arange(start, start + len(part), device=device)
             hidden = model(torch.tensor(part, device=device), positions, caches, meta)
             rows.append(model.compute_logits(hidden).float())  # [len(part), vocab]

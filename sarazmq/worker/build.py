@@ -11,6 +11,7 @@ from sarazmq.config import EngineConfig, ModelConfig
 from sarazmq.kernels import select_attention_backend_with_reason
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.loader import load_model, resolve_model
+from sarazmq.worker.cuda_graphs import DecodeGraphs
 from sarazmq.worker.model_runner import ModelRunner
 from sarazmq.worker.pipeline import ActivationLink, Placement, StageLinks
 from sarazmq.worker.sampler import Sampler
@@ -41,6 +42,9 @@ def build_model_runner(
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches on the current device: it must be this worker's cuda:N
+        torch.cuda.set_device(device)
     dtype = getattr(torch, config.dtype)
     attention, attention_reason = select_attention_backend_with_reason(
         config.attention_backend,
@@ -84,4 +88,26 @@ def build_model_runner(
         kv_cache_dtype=config.cache.kv_cache_dtype,
     )
     sampler = Sampler(model_config.eos_token_ids) if placement.is_driver else None
-    return ModelRunner(model, kv_caches, config.cache.block_size, sampler, device, stage)
+    graphs = None
+    graph_batch = min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+    if (
+        device.type == "cuda"
+        and not config.enforce_eager
+        and graph_batch > 0
+        and attention.cuda_graph_safe
+        and config.tensor_parallel_size == 1
+        and placement.pp_size == 1
+    ):
+        max_blocks = -(-config.scheduler.max_model_len // config.cache.block_size)
+        graphs = DecodeGraphs(
+            model, kv_caches, config.cache.block_size, graph_batch, max_blocks, device
+        )
+        seconds = graphs.capture_all()
+        log.info(
+            "worker %d: %d CUDA graphs captured for decode batches of 1..%d in %.1f s",
+            rank,
+            len(graphs.sizes),
+            graph_batch,
+            seconds,
+        )
+    return ModelRunner(model, kv_caches, config.cache.block_size, sampler, device, stage, graphs)

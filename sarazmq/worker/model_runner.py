@@ -19,6 +19,7 @@ from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.protocol.common import TokenLogprobs
 from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
+from sarazmq.worker.cuda_graphs import DecodeGraphs
 from sarazmq.worker.pipeline import StageLinks, new_timings
 from sarazmq.worker.sampler import Sampler, SamplingSeq
 
@@ -50,9 +51,11 @@ class ModelRunner:
         sampler: Sampler | None,
         device: torch.device,
         stage: StageLinks | None = None,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         """stage: this runner's pipeline stage and its activation links (None: the
-        whole model, no pipeline)."""
+        whole model, no pipeline); decode_graphs: where decode-only batches it takes run
+        (captured CUDA graphs), None: every batch runs op by op."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -60,6 +63,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.stage = stage
+        self.decode_graphs = decode_graphs
         self._seqs: dict[int, SeqState] = {}
         # float32 logits destination reused across steps (see LlamaForCausalLM.compute_logits)
         self._logits_buf: torch.Tensor | None = None
@@ -122,6 +126,15 @@ class ModelRunner:
                 sample_seq_ids.append(item.seq_id)
             state.num_computed = end
 
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and len(input_ids) == len(q_lens)  # decodes only
+            and graphs.takes(len(q_lens), max(len(t) for t in tables))
+        ):
+            with torch.inference_mode():
+                hidden = graphs.run(input_ids, k_lens, tables)  # [B, hidden]
+                return self._sample(plan.step, t0, hidden, sample_rows, sample_seq_ids)
         meta = AttentionMetadata.build(q_lens, k_lens, tables, self.block_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         pos_t = meta.positions  # [T]
@@ -146,15 +159,29 @@ class ModelRunner:
                 timings[1, stage.placement.pp_rank] = wait_s
                 stage.send_to.send(hidden, timings)
                 return StepResult(step=plan.step, forward_s=busy_s)
-            if self.sampler is None or not sample_rows:
-                return self._result(plan.step, t0, wait_s, timings, [], [], [])
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(
-                hidden.index_select(0, rows), self._logits_out(len(sample_rows))
-            )  # [N, vocab]
-            seqs = [self._sampling_seq(self._seqs[s]) for s in sample_seq_ids]
-            token_ids, logprobs = self.sampler.sample(logits, seqs)
-        return self._result(plan.step, t0, wait_s, timings, sample_seq_ids, token_ids, logprobs)
+            return self._sample(plan.step, t0, hidden, sample_rows, sample_seq_ids, wait_s, timings)
+
+    def _sample(
+        self,
+        step: int,
+        t0: float,
+        hidden: torch.Tensor,
+        sample_rows: list[int],
+        sample_seq_ids: list[int],
+        wait_s: float = 0.0,
+        timings: torch.Tensor | None = None,
+    ) -> StepResult:
+        """Samples the next token of the sequences whose rows of hidden [T, hidden] are
+        `sample_rows` (on the driver; elsewhere nothing) and makes the step's result."""
+        if self.sampler is None or not sample_rows:
+            return self._result(step, t0, wait_s, timings, [], [], [])
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(
+            hidden.index_select(0, rows), self._logits_out(len(sample_rows))
+        )  # [N, vocab]
+        seqs = [self._sampling_seq(self._seqs[s]) for s in sample_seq_ids]
+        token_ids, logprobs = self.sampler.sample(logits, seqs)
+        return self._result(step, t0, wait_s, timings, sample_seq_ids, token_ids, logprobs)
 
     @property
     def model_dtype(self) -> torch.dtype:

@@ -74,6 +74,30 @@ class RunnerBench(ShapesRunner):
             self.free_all()
         return statistics.median(times[True]), statistics.median(times[False])
 
+    def decode_graphs_ab(self, batch: int, runs: int) -> tuple[float, float]:
+        """Seconds per decode step of `batch` requests (as `decode`) replayed from captured
+        CUDA graphs and op by op, timed alternately: (graphs, eager). Where the runner has
+        no graphs (a CPU) both are op by op."""
+        seqs = [self.new_seq(DECODE_CTX, DECODE_CTX - 1) for _ in range(batch)]
+        plan = self.plan([(s, DECODE_CTX - 1, 1, True) for s in seqs])
+        graphs = self.runner.decode_graphs
+
+        def go() -> None:
+            self.set_computed(seqs, DECODE_CTX - 1)
+            self.run(plan)
+
+        times: dict[bool, list[float]] = {True: [], False: []}
+        try:
+            for _ in range(runs):
+                for replay in (True, False):
+                    self.runner.decode_graphs = graphs if replay else None
+                    go()  # warm-up (the first replay of a size captures its graph)
+                    times[replay].append(time_once(go))
+        finally:
+            self.runner.decode_graphs = graphs
+            self.free_all()
+        return statistics.median(times[True]), statistics.median(times[False])
+
     def hybrid(self, runs: int) -> tuple[float, float, float]:
         """Seconds for (chunk + decodes, chunk alone, decodes alone)."""
         decs = [self.new_seq(DECODE_CTX, DECODE_CTX - 1) for _ in range(HYBRID_DECODES)]
