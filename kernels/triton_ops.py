@@ -4,9 +4,9 @@ CPU, which is how they are tested).
 
 The torch versions (`sarazmq.kernels.ops`, `TORCH_OPS`) are the reference, rounding for
 rounding: each intermediate that torch stores in the model's dtype is rounded to it here
-too (through float32, so that no multiply-add is contracted past a rounding), so that bf16
-results agree with torch's but for float32 summation order in the RMSNorm's mean and the
-exponential of SiLU (a last-bit difference, rarely). A decode step of an 8B model runs
+too (`_rounded`, by integer arithmetic for bf16), so that results agree with torch's but
+for float32 summation order in the RMSNorm's mean and the exponential of SiLU (a last-bit
+difference, rarely). A decode step of an 8B model runs
 ~1,000 torch kernels op by op; these take ~600 of them away, which is launch overhead
 on the host in an eager step and launch latency on the GPU in a replayed CUDA graph.
 """
@@ -21,6 +21,19 @@ from .cpu_ops import HotOps
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 x rounded to the nearest `dtype` value (ties to even), kept in float32.
+    bf16 by integer arithmetic on the bits: a conversion pair the compiler could fold
+    away, or the interpreter's truncating conversion, cannot change it."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, s_x, s_r, s_o, n_cols, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
@@ -28,18 +41,18 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
+    dtype = x_ptr.dtype.element_ty
+    xf = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         # residual.add_(x): the sum rounded to the model's dtype, stored back
-        x = (tl.load(res_ptr + row * s_r + cols, mask=mask, other=0.0).to(tl.float32)
-             + x.to(tl.float32)).to(x_ptr.dtype.element_ty)  # fmt: skip
-        tl.store(res_ptr + row * s_r + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+        res = tl.load(res_ptr + row * s_r + cols, mask=mask, other=0.0).to(tl.float32)
+        xf = _rounded(res + xf, dtype)
+        tl.store(res_ptr + row * s_r + cols, xf.to(dtype), mask=mask)
     variance = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * s_o + cols, out, mask=mask)
+    normed = _rounded(xf * tl.rsqrt(variance + eps), dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _rounded(normed * w, dtype)
+    tl.store(out_ptr + row * s_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -53,15 +66,15 @@ def _rope_kernel(
     half = head_dim // 2
     mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
     row = x_ptr + t * s_xt + h[:, None] * s_xh  # [BLOCK_H, 1]
-    x = tl.load(row + d[None, :], mask=mask, other=0.0)
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
     swapped = tl.load(row + ((d + half) % head_dim)[None, :], mask=mask, other=0.0)
     cos = tl.load(cos_ptr + t * s_ct + d, mask=d < head_dim, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * s_st + d, mask=d < head_dim, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
     # x * cos + roll(x) * sin_signed, each product rounded as torch's in-place ops do
-    a = (x.to(tl.float32) * cos[None, :]).to(dtype)
-    b = (swapped.to(tl.float32) * sin[None, :]).to(dtype)
-    tl.store(row + d[None, :], (a.to(tl.float32) + b.to(tl.float32)).to(dtype), mask=mask)
+    a = _rounded(x * cos[None, :], dtype)
+    b = _rounded(swapped.to(tl.float32) * sin[None, :], dtype)
+    tl.store(row + d[None, :], _rounded(a + b, dtype).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -74,10 +87,11 @@ def _silu_mul_kernel(
     gate = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * s_x + inter + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
     # F.silu's value, rounded to the dtype, then the product rounded (torch's mul_)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * s_o + cols, out, mask=mask)
+    silu = _rounded(g / (1.0 + tl.exp(-g)), dtype)
+    out = _rounded(silu * up.to(tl.float32), dtype)
+    tl.store(out_ptr + row * s_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _SILU_BLOCK = 1024

@@ -34,6 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_speed import part_speed  # noqa: E402
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -295,81 +297,8 @@ def part_exactness(device: torch.device, max_tokens: int) -> list[str]:
     return lines
 
 
-def part_speed(device: torch.device, arch: str, limits: dict[str, float], quick: bool) -> list[str]:
-    """Prefill and decode of a random-weight model of `arch` against its rooflines."""
-    from engine_bench.common import DECODE_CTX, PREFILL_CHUNK, PROMPT_LEN
-    from engine_bench.cost import model_cost
-    from engine_bench.runner_bench import RunnerBench
-
-    from sarazmq import LLM
-    from sarazmq.kernels.cpu_ops import TORCH_OPS
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    batches = (1, 16) if quick else (1, 16, 64)
-    blocks = max(batches) * -(-DECODE_CTX // 16) + -(-PROMPT_LEN // 16) + 64
-    llm = LLM(
-        model=arch,
-        load_format="dummy",
-        dtype=str(dtype).removeprefix("torch."),
-        device=device.type,
-        num_kv_blocks=blocks,
-        max_model_len=PROMPT_LEN + 64,
-        max_num_seqs=64,
-    )
-    cost = model_cost(llm, dtype)
-    bench = RunnerBench(llm)
-    runs = 2 if quick else 5
-    rows = ["| shape | measured | limit | of limit | op by op | graphs / op by op |"]
-    rows.append("|---|---|---|---|---|---|")
-    chunks = list(range(0, PROMPT_LEN, PREFILL_CHUNK))
-    flops = sum(
-        cost.flops([PREFILL_CHUNK], [s + PREFILL_CHUNK], 1 if s == chunks[-1] else 0)
-        for s in chunks
-    )
-    t = bench.prefill(PREFILL_CHUNK, runs)
-    limit = flops / limits["flops"]
-    rows.append(
-        f"| prefill {PROMPT_LEN} in {PREFILL_CHUNK}-token chunks | {PROMPT_LEN / t:,.0f} tok/s "
-        f"| {PROMPT_LEN / limit:,.0f} tok/s | {limit / t:.2f} | | |"
-    )
-    runner = llm.engine.runner
-    attention = runner.model.attention
-    fused_ops = attention.ops
-    if fused_ops is not TORCH_OPS:  # the same op by op with torch's elementwise ops
-        attention.ops = TORCH_OPS
-        try:
-            t_torch = bench.prefill(PREFILL_CHUNK, runs)
-        finally:
-            attention.ops = fused_ops
-        rows.append(
-            f"| prefill, torch's elementwise ops | {PROMPT_LEN / t_torch:,.0f} tok/s | | "
-            f"{limit / t_torch:.2f} | | {fused_ops.name} ops {t_torch / t:.2f}x |"
-        )
-    graphs = runner.decode_graphs
-    for b in batches:
-        # decode steps replayed from CUDA graphs (where the runner has them) and op by op
-        t, t_eager = bench.decode_graphs_ab(b, runs)
-        k_lens = [DECODE_CTX] * b
-        limit = max(cost.flops([1] * b, k_lens, b) / limits["flops"],
-                    cost.bytes(k_lens) / limits["bandwidth"])  # fmt: skip
-        ratio = f"{t_eager / t:.2f}x" if graphs is not None else "(no graphs)"
-        rows.append(
-            f"| decode, {b} running at {DECODE_CTX} tokens | {b / t:,.0f} tok/s | "
-            f"{b / limit:,.0f} tok/s | {limit / t:.2f} | {b / t_eager:,.0f} tok/s | {ratio} |"
-        )
-        if fused_ops is not TORCH_OPS and b == batches[-1]:
-            attention.ops, runner.decode_graphs = TORCH_OPS, None
-            try:
-                t_torch = bench.decode(b, runs)
-            finally:
-                attention.ops, runner.decode_graphs = fused_ops, graphs
-            rows.append(
-                f"| decode, {b} running, op by op with torch's elementwise ops | "
-                f"{b / t_torch:,.0f} tok/s | | {limit / t_torch:.2f} | | "
-                f"{fused_ops.name} ops {t_torch / t_eager:.2f}x op by op |"
-            )
-    return [f"{arch}, random weights, {dtype}, "
-            f"attention {llm.engine.runner.model.attention.name}:", "", *rows]  # fmt: skip
+#: the report's parts, in order (`--parts`)
+PARTS = ("device", "kernels", "exactness", "speed", "torch")
 
 
 def main() -> int:
@@ -379,7 +308,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--out", default="gpu_check_report.md")
+    ap.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run, of {','.join(PARTS)},host (host: where an "
+        "op-by-op step's host time goes, with the speed part)",
+    )
     args = ap.parse_args()
+    wanted = set(args.parts.split(","))
+    if not wanted <= {*PARTS, "host"}:
+        ap.error(f"--parts: unknown part(s) {sorted(wanted - {*PARTS, 'host'})}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch sees none); --device cpu checks the script")
         return 2
@@ -393,10 +331,14 @@ def main() -> int:
         ("Device and limits", lambda: part_device(device, dtype, args.quick, limits)),
         ("Attention kernels against the torch reference", lambda: part_kernels(device, args.quick)),
         ("Exactness against the CPU float32 path", lambda: part_exactness(device, args.tokens)),
-        ("Speed at real shapes", lambda: part_speed(device, args.arch, limits, args.quick)),
+        (
+            "Speed at real shapes",
+            lambda: part_speed(device, args.arch, limits, args.quick, "host" in wanted),
+        ),
         # last: a device error here (as cuDNN's attention raised once) costs no other part
         ("The torch backend on the device", lambda: part_torch_backend(device)),
     ]
+    parts = [part for name, part in zip(PARTS, parts, strict=True) if name in wanted]
     failed = 0
     for title, run in parts:
         t0 = time.perf_counter()

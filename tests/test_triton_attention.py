@@ -337,5 +337,10 @@ def test_the_device_checks_kernel_part_runs_on_the_cpu() -> None:
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     rows = gpu_check.part_kernels(torch.device("cpu"), quick=True)
-    results = [row.rsplit("|", 2)[-2].strip() for row in rows[2:]]
+    blank = rows.index("")
+    results = [row.rsplit("|", 2)[-2].strip() for row in rows[2:blank]]
     assert len(results) == 3 and set(results) == {"True"}, rows
+    # then the Triton elementwise ops against torch's: float32 here, last-bit differences
+    ops = {row.split("|")[1].strip(): float(row.split("|")[2]) for row in rows[blank + 3 :]}
+    assert set(ops) == {"rms_norm + residual", "rope (q and k heads)", "silu_mul"}, rows
+    assert max(ops.values()) < 1e-5 and ops["rope (q and k heads)"] == 0.0, rows

@@ -87,6 +87,8 @@ class DecodeGraphs:
         self.device = device
         self.capture = capture
         self._graphs: dict[int, _Captured] = {}
+        #: seconds `capture_all` took (0 before it ran)
+        self.capture_seconds = 0.0
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         b = self.max_batch
         # static inputs the graphs read: [ids, positions, slots] int64 and [seq lens,
@@ -139,7 +141,8 @@ class DecodeGraphs:
 
     def capture_all(self) -> float:
         """Captures every size's graph (largest first) on batches of padding rows, which
-        write no KV; returns the seconds it took. Sizes set up already are skipped."""
+        write no KV; returns the seconds it took (`capture_seconds`). Sizes set up
+        already are skipped."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             for size in reversed(self.sizes):
@@ -148,7 +151,8 @@ class DecodeGraphs:
                     self._graphs[size] = self._setup(size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        self.capture_seconds += time.perf_counter() - t0
+        return self.capture_seconds
 
     def _stage(
         self, input_ids: list[int], k_lens: list[int], tables: list[list[int]], size: int
