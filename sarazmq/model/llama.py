@@ -325,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
                 total[variant] += n
         return total
 
-    def prepack_linear_weights(self) -> bool:
+    def prepack_linear_weights(self, drop_unused_plain: bool = False) -> bool:
         """Prepacks every matmul weight when that pays: into the AMX tile kernel's layout
         where the backend's ops read it (`HotOps.reads_tiles`: bf16 on CPUs with AMX),
         else for oneDNN (bf16 and float32 on CPU, see
@@ -333,11 +333,23 @@ class LlamaForCausalLM(nn.Module):
         in another order than the plain path's.
 
         Call after loading the weights (loading drops the packs, which would be stale).
-        Returns whether weights were packed.
+        drop_unused_plain: free each weight's plain copy as soon as it is packed where no
+        path reads it any more (as `drop_unused_plain_weights`), so that memory peaks at
+        the model plus one packed weight, not two copies of the model (a 7B model in bf16
+        on a 23 GB machine). Returns whether weights were packed.
         """
         tiles = self.attention.ops.reads_tiles
         self.one_call_steps.forget()  # rebuilt for what the per-op path reads
-        return all([w.prepack(tiles=tiles) for _, w in self.matmul_weights()])
+        packed = []
+        for _, w in self.matmul_weights():
+            packed.append(w.prepack(tiles=tiles))
+            if drop_unused_plain and self._plain_unused(w):
+                w.drop_plain()
+        return all(packed)
+
+    def _plain_unused(self, w: LinearWeight) -> bool:
+        """Whether no path of this model reads `w`'s plain copy any more."""
+        return w.has_plain and not w.keep_plain and not self.attention.ops.needs_plain(w)
 
     def drop_unused_plain_weights(self) -> int:
         """Frees the plain copy of every matmul weight that no path of this model reads
@@ -345,10 +357,9 @@ class LlamaForCausalLM(nn.Module):
         many rows, and on the native CPU ops quantized blocks for decode rows and the
         fused step). Results stay bitwise the same; the model can no longer be loaded,
         packed or given blocks. Returns how many were dropped."""
-        ops = self.attention.ops
         dropped = 0
         for _, w in self.matmul_weights():
-            if w.has_plain and not w.keep_plain and not ops.needs_plain(w):
+            if self._plain_unused(w):
                 w.drop_plain()
                 dropped += 1
         if dropped:

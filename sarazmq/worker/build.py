@@ -69,8 +69,7 @@ def build_model_runner(
     # on CPU: oneDNN-packed matmul weights (faster matmuls; see can_prepack_linear); then
     # the plain copies that no path reads any more (packed for many rows, the GGUF's
     # blocks for decode rows) are freed: the same results in less memory (docs/KERNELS.md)
-    model.prepack_linear_weights()
-    model.drop_unused_plain_weights()
+    model.prepack_linear_weights(drop_unused_plain=True)
     # int8 GGUF matmuls (the config is resolved: "float" or "int8"): every matmul on Q4/Q8
     # blocks by integer dot products, the fused decode step's included (on Q4 panels)
     int8_matmuls = model.set_gguf_matmul(config.gguf_matmul)
