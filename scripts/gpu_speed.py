@@ -8,6 +8,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,20 +123,33 @@ def part_speed(
 
 
 def host_profile(bench: RunnerBench, runner: ModelRunner, batch: int) -> list[str]:
-    """Where the host time of op-by-op decode steps of `batch` goes: cProfile's top
-    functions by their own time over 10 steps."""
+    """Where the host time of op-by-op steps goes: cProfile's top functions by their own
+    time over 10 decode steps of `batch`, then over 10 hybrid steps (bench_engine's
+    chunk + decodes), whose wall time on the H200 was ~3x their kernels' (docs/GPU.md)."""
     graphs = runner.decode_graphs
     runner.decode_graphs = None
-    profile = cProfile.Profile()
+    out: list[str] = []
     try:
         bench.decode(batch, 1)  # warm-up
-        profile.enable()
-        bench.decode(batch, 10)
-        profile.disable()
+        out += _profiled(f"op-by-op decode steps of {batch}", lambda: bench.decode(batch, 10))
+        steps = bench.hybrid_steps()
+        try:
+            steps("hybrid")  # warm-up
+            out += ["", *_profiled("hybrid steps", lambda: [steps("hybrid") for _ in range(10)])]
+        finally:
+            bench.free_all()
     finally:
         runner.decode_graphs = graphs
+    return out
+
+
+def _profiled(what: str, run: Callable[[], object]) -> list[str]:
+    """cProfile's 25 functions of most own time while `run` runs (10 steps)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
     lines = [ln for ln in text.getvalue().splitlines() if ln.strip()]
-    return [f"Host time of op-by-op decode steps of {batch} (cProfile, 10 steps):", "```",
-            *lines[-30:], "```"]  # fmt: skip
+    return [f"Host time of {what} (cProfile, 10 steps):", "```", *lines[-30:], "```"]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from sarazmq import LLM
 from sarazmq.perf.shapes_runner import ShapesRunner
-from sarazmq.protocol.worker import BatchPlan
 
 from .common import DECODE_CTX, HYBRID_CHUNK, HYBRID_DECODES, PROMPT_LEN, median_time, time_once
 
@@ -100,6 +100,18 @@ class RunnerBench(ShapesRunner):
 
     def hybrid(self, runs: int) -> tuple[float, float, float]:
         """Seconds for (chunk + decodes, chunk alone, decodes alone)."""
+        steps = self.hybrid_steps()
+        out = [
+            median_time(lambda name=name: steps(name), runs)
+            for name in ("hybrid", "chunk", "decodes")
+        ]
+        self.free_all()
+        return out[0], out[1], out[2]
+
+    def hybrid_steps(self) -> Callable[[str], None]:
+        """Sets up the hybrid row's sequences; returns a function that runs one step of
+        "hybrid" (chunk + decodes), "chunk" (alone) or "decodes" (alone) from the same
+        state each time. `free_all` ends them."""
         decs = [self.new_seq(DECODE_CTX, DECODE_CTX - 1) for _ in range(HYBRID_DECODES)]
         chunk_seq = self.new_seq(2 * HYBRID_CHUNK, HYBRID_CHUNK)
         dec_items = [(s, DECODE_CTX - 1, 1, True) for s in decs]
@@ -109,14 +121,10 @@ class RunnerBench(ShapesRunner):
             "chunk": self.plan([chunk_item]),
             "decodes": self.plan(dec_items),
         }
-        out = []
-        for name in ("hybrid", "chunk", "decodes"):
 
-            def go(p: BatchPlan = plans[name]) -> None:
-                self.set_computed(decs, DECODE_CTX - 1)
-                self.set_computed([chunk_seq], HYBRID_CHUNK)
-                self.run(p)
+        def step(name: str) -> None:
+            self.set_computed(decs, DECODE_CTX - 1)
+            self.set_computed([chunk_seq], HYBRID_CHUNK)
+            self.run(plans[name])
 
-            out.append(median_time(go, runs))
-        self.free_all()
-        return out[0], out[1], out[2]
+        return step
