@@ -9,36 +9,23 @@ runner's results do not change. The capture and its speed are scripts/gpu_check.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from test_model import _tiny_config
+from triton_interpreted import interpreted_kernels
 
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # read when triton and the kernels are first imported
-try:
-    pytest.importorskip("triton")
-    from sarazmq.kernels import TritonPagedAttention
-    from sarazmq.kernels import triton_attention as kernels
-finally:
-    if _before is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = _before
-from test_model import _tiny_config  # noqa: E402
+from sarazmq.config import EngineConfig
+from sarazmq.kernels import TritonPagedAttention
+from sarazmq.model.kv_cache import allocate_kv_cache
+from sarazmq.model.llama import LlamaForCausalLM
+from sarazmq.options import EngineOptions
+from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq
+from sarazmq.sampling_params import SamplingParams
+from sarazmq.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from sarazmq.worker.model_runner import ModelRunner
+from sarazmq.worker.sampler import Sampler
 
-from sarazmq.config import EngineConfig  # noqa: E402
-from sarazmq.model.kv_cache import allocate_kv_cache  # noqa: E402
-from sarazmq.model.llama import LlamaForCausalLM  # noqa: E402
-from sarazmq.options import EngineOptions  # noqa: E402
-from sarazmq.protocol.worker import BatchPlan, NewSeq, ScheduledSeq  # noqa: E402
-from sarazmq.sampling_params import SamplingParams  # noqa: E402
-from sarazmq.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
-from sarazmq.worker.model_runner import ModelRunner  # noqa: E402
-from sarazmq.worker.sampler import Sampler  # noqa: E402
-
-if not kernels.INTERPRETED:
-    pytest.skip("the Triton kernels were built for a GPU in this process", allow_module_level=True)
+interpreted_kernels("triton_attention", "triton_ops")  # what TritonPagedAttention loads
 
 BLOCK = 4
 MAX_BLOCKS = 6  # 24 positions a sequence

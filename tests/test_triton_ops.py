@@ -6,27 +6,14 @@ exponential's last bit)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_interpreted import interpreted_kernels
 
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # read when triton and the kernels are first imported
-try:
-    pytest.importorskip("triton")
-    from sarazmq.kernels import triton_ops
-finally:
-    if _before is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = _before
-from sarazmq.kernels.cpu_ops import TORCH_OPS  # noqa: E402
-from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin  # noqa: E402
+from sarazmq.kernels.cpu_ops import TORCH_OPS
+from sarazmq.kernels.ops import build_rope_cache, rope_cos_sin
 
-if not triton_ops.INTERPRETED:
-    pytest.skip("the Triton kernels were built for a GPU in this process", allow_module_level=True)
-
+(triton_ops,) = interpreted_kernels("triton_ops")
 OPS = triton_ops.TRITON_OPS
 # bf16: 2 units in the last place (2**-7 relative each)
 TOL = {torch.float32: {"atol": 1e-6, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2}}

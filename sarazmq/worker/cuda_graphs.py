@@ -157,8 +157,13 @@ class DecodeGraphs:
     def _stage(
         self, input_ids: list[int], k_lens: list[int], tables: list[list[int]], size: int
     ) -> None:
-        """Writes the batch, padded to `size`, into the static inputs."""
-        n, bs, w = len(input_ids), self.block_size, self.max_blocks
+        """Writes the batch, padded to `size`, into the static inputs. Block tables are
+        written only up to the batch's longest (the kernels read no column past a
+        sequence's length, so what older steps left further right is never read): per
+        step that is the batch's blocks, not `max_blocks` (max_model_len / block size)
+        for every row."""
+        n, bs = len(input_ids), self.block_size
+        w = max((len(t) for t in tables), default=1)  # padding rows read column 0
         pad = size - n
         pos = [k - 1 for k in k_lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)]
@@ -177,7 +182,7 @@ class DecodeGraphs:
         # the staging buffers are free to overwrite
         self._long[:, :size].copy_(host_long, non_blocking=True)
         self._lens[:size].copy_(host_int[:size], non_blocking=True)
-        self._tables[:size].copy_(host_int[size:].view(size, w), non_blocking=True)
+        self._tables[:size, :w].copy_(host_int[size:].view(size, w), non_blocking=True)
 
     def _meta(self, size: int) -> AttentionMetadata:
         """The metadata of a padded batch of `size` decodes, views of the static inputs."""

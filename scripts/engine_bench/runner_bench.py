@@ -54,33 +54,32 @@ class RunnerBench(ShapesRunner):
         """Seconds per decode step of `batch` requests (as `decode`), with the model's fused
         one-call decode step and op by op (`enforce_eager`), timed alternately so that a
         shared machine's drift hits both alike: (fused, eager)."""
-        seqs = [self.new_seq(DECODE_CTX, DECODE_CTX - 1) for _ in range(batch)]
-        plan = self.plan([(s, DECODE_CTX - 1, 1, True) for s in seqs])
         model = self.runner.model
 
-        def go() -> None:
-            self.set_computed(seqs, DECODE_CTX - 1)
-            self.run(plan)
+        def fused(on: bool) -> None:
+            model.fused_decode = on
 
-        times: dict[bool, list[float]] = {True: [], False: []}
-        try:
-            for _ in range(runs):
-                for fused in (True, False):
-                    model.fused_decode = fused
-                    go()  # warm-up: the other mode's buffers and cache state
-                    times[fused].append(time_once(go))
-        finally:
-            model.fused_decode = True
-            self.free_all()
-        return statistics.median(times[True]), statistics.median(times[False])
+        return self._decode_ab(batch, runs, fused)
 
     def decode_graphs_ab(self, batch: int, runs: int) -> tuple[float, float]:
         """Seconds per decode step of `batch` requests (as `decode`) replayed from captured
         CUDA graphs and op by op, timed alternately: (graphs, eager). Where the runner has
         no graphs (a CPU) both are op by op."""
+        graphs = self.runner.decode_graphs
+
+        def replay(on: bool) -> None:
+            self.runner.decode_graphs = graphs if on else None
+
+        return self._decode_ab(batch, runs, replay)
+
+    def _decode_ab(
+        self, batch: int, runs: int, mode: Callable[[bool], None]
+    ) -> tuple[float, float]:
+        """Decode steps of `batch` requests timed alternately with `mode(True)` and
+        `mode(False)` in force, each after a warm-up step in that mode (the other mode's
+        buffers and cache state; a first graph replay); `mode(True)` again at the end."""
         seqs = [self.new_seq(DECODE_CTX, DECODE_CTX - 1) for _ in range(batch)]
         plan = self.plan([(s, DECODE_CTX - 1, 1, True) for s in seqs])
-        graphs = self.runner.decode_graphs
 
         def go() -> None:
             self.set_computed(seqs, DECODE_CTX - 1)
@@ -89,12 +88,12 @@ class RunnerBench(ShapesRunner):
         times: dict[bool, list[float]] = {True: [], False: []}
         try:
             for _ in range(runs):
-                for replay in (True, False):
-                    self.runner.decode_graphs = graphs if replay else None
-                    go()  # warm-up (the first replay of a size captures its graph)
-                    times[replay].append(time_once(go))
+                for on in (True, False):
+                    mode(on)
+                    go()
+                    times[on].append(time_once(go))
         finally:
-            self.runner.decode_graphs = graphs
+            mode(True)
             self.free_all()
         return statistics.median(times[True]), statistics.median(times[False])
 
