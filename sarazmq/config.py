@@ -173,6 +173,10 @@ class EngineConfig:
     # with a backend whose decodes can be captured: triton; one worker per model); 0: never
     # (sarazmq.worker.cuda_graphs). enforce_eager turns graphs off too, as in vLLM.
     cuda_graph_max_batch: int = 128
+    # the scheduler builds plan N+1 while the worker runs plan N (vLLM V1's asynchronous
+    # scheduling): two plans in flight, the worker feeding a decode the token it sampled
+    # (sarazmq.scheduler.inflight); one worker (tp = pp = 1), co-located instances
+    async_scheduling: bool = False
     tensor_parallel_size: int = 1
     # pipeline stages: the layers split into this many contiguous groups, one worker group
     # (of tensor_parallel_size ranks) each; the scheduler keeps this many plans in flight
@@ -246,6 +250,18 @@ class EngineConfig:
                 f"kv_cache_dtype='int8' is not supported by the {self.attention_backend} "
                 "attention backend (its kernels read fp32/fp16/bf16 caches); use "
                 "--attention-backend torch or cpu"
+            )
+        if self.async_scheduling and (
+            self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or p
+        ):
+            # the worker that samples feeds the next plan its token; other ranks and stages
+            # learn tokens from the plans, and a prefill instance parks a request after its
+            # first token, which a plan built ahead would already decode
+            raise ValueError(
+                f"async_scheduling needs one worker per instance and co-located instances "
+                f"(got tensor_parallel_size={self.tensor_parallel_size}, "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}, "
+                f"prefill_instances={p})"
             )
         if self.pipeline_parallel_size > 1 and self.scheduler.tbt_slo:
             # the adaptive budget models a whole iteration's time from its plan's start to

@@ -229,6 +229,14 @@ class EngineOptions:
             "triton attention backend; 0 = never)",
         ),
     )
+    async_scheduling: bool = _option(
+        EngineConfig.async_scheduling,
+        Flag(
+            "--async-scheduling",
+            "build the next batch while the worker runs this one (vLLM's asynchronous "
+            "scheduling; one worker: no --tp/--pp, not --disaggregate)",
+        ),
+    )
     device: str = _option(
         EngineConfig.device, Flag("--device", "auto: cuda when available, else cpu")
     )
@@ -283,6 +291,7 @@ class EngineOptions:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
+            async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,

@@ -4,7 +4,8 @@
 # flash-attn binary wheel (never a source build: that takes longer than the device is
 # lent), then runs scripts/gpu_check.py (device limits, kernels against the torch
 # reference, exactness against the CPU float32 path, a dummy Llama-3-8B's speed against
-# its rooflines) and the replay of one short Azure conversation window on the device.
+# its rooflines) and the replay of one short Azure conversation window on the device
+# (with CUDA graphs, op by op, and with asynchronous scheduling).
 #
 #   bash scripts/gpu_check.sh [REPORT_DIR]     (default: $OUT, else ./gpu_check)
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_ARCH=smollm2-135m bash scripts/gpu_check.sh /tmp/gc
@@ -109,6 +110,8 @@ if [ "${GPU_CHECK_REPLAY:-1}" = 1 ]; then
   replay default || replay_rc=1
   if [ "$device" = cuda ]; then  # the same window op by op: what the CUDA graphs change
     replay eager --enforce-eager || replay_rc=1
+    # plan N+1 built while the GPU runs plan N: what the host's share of a step was
+    replay async --async-scheduling || replay_rc=1
   fi
 fi
 step "done: gpu_check.py exit $check_rc, replay exit $replay_rc; report $report_dir/report.md"

@@ -43,9 +43,17 @@ class WorkerSeq:
 
 
 class FakeWorker:
-    """Applies plans exactly as the worker contract says and answers StepResults."""
+    """Applies plans exactly as the worker contract says and answers StepResults.
+    keep_sampled: append each sampled token to its seq (asynchronous scheduling's worker)."""
 
-    def __init__(self, block_size: int, num_blocks: int, token_fn: TokenFn = fake_token) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        token_fn: TokenFn = fake_token,
+        keep_sampled: bool = False,
+    ) -> None:
+        self.keep_sampled = keep_sampled
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.token_fn = token_fn
@@ -113,6 +121,8 @@ class FakeWorker:
             if s.sample:
                 seq_ids.append(s.seq_id)
                 token_ids.append(self.token_fn(s.seq_id, seq.tokens, seq.num_prompt))
+                if self.keep_sampled:
+                    seq.tokens.append(token_ids[-1])
         return StepResult(step=plan.step, seq_ids=seq_ids, token_ids=token_ids)
 
 

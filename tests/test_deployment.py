@@ -294,6 +294,43 @@ def test_tbt_target_gives_the_fixed_chunk_outputs(reference) -> None:
     assert stats["latency_model_samples"] > 0 and stats["num_finished"] == 8
 
 
+def test_async_scheduling_deployment_gives_the_same_outputs(reference) -> None:
+    """--async-scheduling: the scheduler process builds plan N+1 while the worker runs
+    plan N. Concurrent streams get the in-process (synchronous) engine's tokens; an abort
+    mid-stream and a stop string, each with a plan in flight past its end, free every
+    block."""
+    got: dict[int, list[int]] = {}
+    with (
+        Deployment(small_config(async_scheduling=True)) as dep,
+        Client(dep.endpoint) as client,
+    ):
+
+        def run(i: int) -> None:
+            got[i] = [t for d in client.stream(PROMPTS[i], GREEDY) for t in d.token_ids]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        rid = client.new_request_id()
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        deltas = []
+        for d in client.stream("Count from one to a thousand:", long, request_id=rid):
+            deltas.append(d)
+            if len(deltas) == 3:
+                client.abort(rid)
+        base = client.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))
+        stop = base.text[3:7]
+        cut = client.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop=[stop]))
+        stats = wait_for_idle(client)
+    assert got == {i: reference[PROMPTS[i]] for i in range(16)}
+    assert deltas[-1].finish_reason == "abort"
+    assert cut.finish_reason == "stop" and cut.text == base.text[: base.text.index(stop)]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["async_scheduling"] and stats["num_overlapped_plans"] > 0
+
+
 def test_kill_worker_errors_every_request_and_launcher_exits_nonzero(tmp_path) -> None:
     endpoint = f"ipc://{tmp_path}/kill.ipc"
     serve = subprocess.Popen(

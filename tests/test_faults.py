@@ -26,7 +26,6 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import write_tiny_llama
 
 from sarazmq.client import AsyncClient, Client, EngineError, RequestError
 from sarazmq.config import (
@@ -38,6 +37,7 @@ from sarazmq.config import (
     SchedulerConfig,
 )
 from sarazmq.keys import create_keypair, load_keypair, load_public_key
+from sarazmq.model.tiny import write_tiny_llama
 from sarazmq.procs.endpoints import free_tcp_port
 from sarazmq.procs.launcher import Deployment
 from sarazmq.protocol.client import (

@@ -24,11 +24,11 @@ from pathlib import Path
 import pexpect
 import pytest
 from proc_utils import alive, sarazmq_children
-from tiny_models import write_tiny_llama
 
 from sarazmq.client import Client, EngineError
 from sarazmq.config import CacheConfig, DeploymentConfig, EngineConfig, SchedulerConfig
 from sarazmq.keys import create_keypair, load_public_key
+from sarazmq.model.tiny import write_tiny_llama
 from sarazmq.procs.endpoints import check_multinode, node_ranks
 from sarazmq.procs.launcher import Deployment
 from sarazmq.sampling_params import SamplingParams

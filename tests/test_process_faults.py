@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from proc_utils import alive, sarazmq_children
-from tiny_models import write_tiny_llama
 
 from sarazmq.client import Client, EngineError
+from sarazmq.model.tiny import write_tiny_llama
 from sarazmq.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

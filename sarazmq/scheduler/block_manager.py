@@ -287,7 +287,10 @@ class BlockManager:
         if not self.enable_caching:
             return
         bs = self.block_size
-        full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        # asynchronous scheduling counts positions scheduled whose tokens are still to
+        # come (`Request.num_pending_samples`): only known tokens can be keyed
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        full = min(computed // bs, len(request.block_ids))
         start = request.num_keyed_blocks
         if full <= start:
             return

@@ -42,4 +42,5 @@ def build_scheduler(
         max_inflight=config.pipeline_parallel_size,
         role=config.instance_role(instance),
         world_size=config.tensor_parallel_size * config.pipeline_parallel_size,
+        async_scheduling=config.async_scheduling,
     )

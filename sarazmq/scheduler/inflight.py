@@ -12,6 +12,16 @@ stage's, and an empty micro-batch leaves stages idle).
 
 Workers apply plans in the order they were sent, so the plan diff stays consistent
 however many are in flight; results come back in the same order.
+
+Asynchronous scheduling (`EngineConfig.async_scheduling`, vLLM V1's, one pipeline stage)
+keeps two plans in flight so the scheduler builds plan N+1 while the worker runs plan N.
+There a request may be in both: plan N+1 goes on from where plan N leaves it, as if N's
+result were in (`build_plan(..., optimistic=True)` advances its computed positions and
+counts the token N samples as pending), and the worker feeds a decode the token it
+sampled itself in N (`ModelRunner(keep_sampled_tokens=True)`), which the scheduler learns
+with N's result. A request that finishes in N has run one step more in N+1 whose result
+is dropped, as in vLLM; one whose pending token is its last (its length) is not
+scheduled again (`async_hidden_seq_ids`).
 """
 
 from __future__ import annotations
@@ -44,19 +54,16 @@ class InflightPlan:
     cache: PrefixCacheCounters
     shape: IterationShape
     token_budget: int = 0
+    # (prefill tokens, decode tokens, prefill seqs, decode seqs)
+    token_counts: tuple[int, int, int, int] = (0, 0, 0, 0)
 
-    def record(
-        self,
-        result: StepResult,
-        end: float,
-        token_counts: tuple[int, int, int, int],
-    ) -> IterationRecord:
-        """The IterationRecord of this plan answered by `result` at `end`.
-        token_counts: (prefill tokens, decode tokens, prefill seqs, decode seqs)."""
-        prefill_tokens, decode_tokens, prefill_seqs, decode_seqs = token_counts
+    def record(self, result: StepResult, start: float, end: float) -> IterationRecord:
+        """The IterationRecord of this plan answered by `result` at `end`, run from
+        `start` (its build, or with two plans in flight the previous result)."""
+        prefill_tokens, decode_tokens, prefill_seqs, decode_seqs = self.token_counts
         return IterationRecord(
             step=self.plan.step,
-            start=self.start,
+            start=start,
             end=end,
             num_prefill_tokens=prefill_tokens,
             num_decode_tokens=decode_tokens,
@@ -155,6 +162,18 @@ class PolicyView:
         self._all[:] = merged
 
 
+def async_hidden_seq_ids(running: list[Request]) -> set[int]:
+    """Asynchronous scheduling: the running requests not to schedule now, those whose
+    pending tokens (sampled by the plan in flight) reach their output limit: that plan's
+    result finishes them."""
+    return {
+        r.seq_id
+        for r in running
+        if r.num_pending_samples
+        and r.num_output_tokens + r.num_pending_samples >= r.max_output_tokens
+    }
+
+
 def build_plan(
     decision: BatchDecision,
     step: int,
@@ -162,9 +181,14 @@ def build_plan(
     start: float,
     num_preempted: int,
     prefix_cache: PrefixCacheCounters,
+    optimistic: bool = False,
 ) -> InflightPlan:
     """Turns a policy's decision into the wire plan (the diff, see `Scheduler`) and its
-    in-flight entry; updates the requests' sent-token counts and `prefix_cache`."""
+    in-flight entry; updates the requests' sent-token counts and `prefix_cache`.
+
+    optimistic (asynchronous scheduling): the scheduled requests are advanced now, as if
+    the plan's result were in: computed positions, and a pending sample for each entry
+    that samples (its token the worker keeps; `apply_result` appends it here)."""
     new_seqs: list[NewSeq] = []
     cache_step = PrefixCacheCounters()  # this iteration's admissions
     for req in decision.admitted:
@@ -200,18 +224,22 @@ def build_plan(
         append = req.tokens_from(req.num_sent_tokens)
         num_tokens = req.num_sent_tokens = req.num_tokens
         seq_id = req.seq_id
+        # the positions to sample at: every known token, and those plans in flight sample
+        sample = start_pos + n == num_tokens + req.num_pending_samples
         scheduled.append(
-            ScheduledSeq(
-                seq_id,
-                start_pos,
-                n,
-                append,
-                new_blocks.get(seq_id, []),
-                start_pos + n == num_tokens,
-            )
+            ScheduledSeq(seq_id, start_pos, n, append, new_blocks.get(seq_id, []), sample)
         )
         reqs[seq_id] = req
+        if optimistic:
+            req.num_computed_tokens = start_pos + n
+            if sample:
+                req.num_pending_samples += 1
 
     plan = BatchPlan(step=step, new_seqs=new_seqs, scheduled=scheduled, freed_seq_ids=freed_seq_ids)
-    shape = shape_of_plan(plan, len(decision.decodes))
-    return InflightPlan(plan, reqs, start, num_preempted, cache_step, shape, decision.token_budget)
+    num_decodes = len(decision.decodes)
+    shape = shape_of_plan(plan, num_decodes)
+    prefill_tokens = shape.num_prefill_tokens
+    counts = (prefill_tokens, num_decodes, len(decision.prefills), num_decodes)
+    return InflightPlan(
+        plan, reqs, start, num_preempted, cache_step, shape, decision.token_budget, counts
+    )

@@ -183,6 +183,10 @@ class Policy(abc.ABC):
             if budget is not None and budget <= 0:
                 break
             req = ctx.waiting[0]
+            if req.num_pending_samples:
+                # preempted while a plan in flight samples its next token (asynchronous
+                # scheduling): its recompute must wait for that token
+                break
             total = req.num_tokens  # prompt (+ outputs after a preemption)
             # prefix cache: whole leading blocks already computed (at most total - 1); a
             # prompt whose KV was sent by another instance takes fresh blocks for it

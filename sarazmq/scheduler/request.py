@@ -38,6 +38,10 @@ class Request:
       sends only the rest). 0 while the workers hold no state for this sequence.
     - `num_cached_tokens`: tokens found in the prefix cache at the last admission (the
       prefill starts there).
+    - `num_pending_samples`: under asynchronous scheduling (`Scheduler`), tokens sampled
+      by plans in flight and not yet in `output_token_ids`; `num_computed_tokens` then
+      counts the positions scheduled (its plans' results not all in), so a decode-phase
+      request has `num_computed_tokens == num_tokens + num_pending_samples - 1`.
 
     Prefix-cache bookkeeping (the block manager's): `block_keys` (keys of the full
     blocks hashed so far), `num_keyed_blocks` (leading blocks already keyed or hit),
@@ -69,6 +73,7 @@ class Request:
         "cache_parent",
         "finish_token_ids",
         "num_transferred_tokens",
+        "num_pending_samples",
     )
 
     def __init__(
@@ -116,6 +121,7 @@ class Request:
         # decode side): admitted, they count as computed; 0 again after a preemption,
         # whose recompute covers them here
         self.num_transferred_tokens = 0
+        self.num_pending_samples = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -58,11 +58,10 @@ def request_delta(
 @dataclass
 class AppliedResult:
     """What `apply_result` did: one delta per listened-to request that got a token or
-    finished; token_counts = (prefill tokens, decode tokens, prefill seqs, decode seqs);
-    finished_any: whether a request finished (the caller prunes its running list)."""
+    finished; finished_any: whether a request finished (the caller prunes its running
+    list)."""
 
     deltas: list[RequestDelta]
-    token_counts: tuple[int, int, int, int]
     finished_any: bool
 
 
@@ -74,6 +73,7 @@ def apply_result(
     blocks: BlockManager,
     silent_seq_ids: set[int],
     finish: Callable[[Request, FinishReason], None],
+    optimistic: bool = False,
 ) -> AppliedResult:
     """Applies `result` (already checked against `entry`'s plan; `sampled` maps a
     sampling seq_id to its index in the result) to the scheduled requests: advances
@@ -81,9 +81,12 @@ def apply_result(
     sampled tokens, and calls `finish` (which must not touch the running list) for
     each request that finishes. Requests already finished while the step ran are
     skipped; those in `silent_seq_ids` (internal calibration requests) get no delta.
+
+    optimistic: the plan was built by asynchronous scheduling (`inflight.build_plan`),
+    which advanced the computed positions already; its sampled tokens were pending, and
+    the worker that sampled them knows them (they count as sent while it holds the seq).
     """
     deltas: list[RequestDelta] = []
-    num_prefill_tokens = num_decode_tokens = num_prefill_seqs = num_decode_seqs = 0
     finished_any = False
     reqs, token_ids, result_logprobs = entry.reqs, result.token_ids, result.logprobs
     finished = RequestStatus.FINISHED
@@ -93,25 +96,25 @@ def apply_result(
     caching, cache_full_blocks = blocks.enable_caching, blocks.cache_full_blocks
     for s in entry.plan.scheduled:
         req = reqs[s.seq_id]
-        n = s.num_tokens
-        computed = req.num_computed_tokens
-        if computed < req.num_prefill_tokens:
-            num_prefill_tokens += n
-            num_prefill_seqs += 1
-        else:
-            num_decode_tokens += n
-            num_decode_seqs += 1
         if req.status is finished:
             continue  # aborted / stopped while the step ran
-        computed = req.num_computed_tokens = computed + n
-        if caching and computed // block_size > req.num_keyed_blocks:
-            cache_full_blocks(req)  # its KV is written now: reusable
+        if not optimistic:
+            req.num_computed_tokens += s.num_tokens
         if not s.sample:
+            if caching and req.num_computed_tokens // block_size > req.num_keyed_blocks:
+                cache_full_blocks(req)  # its KV is written now: reusable
             continue
         i = sampled[s.seq_id]
         token = token_ids[i]
         outputs = req.output_token_ids
         outputs.append(token)
+        if optimistic:
+            req.num_pending_samples -= 1
+            if req.on_worker:
+                req.num_sent_tokens += 1
+        # after the append: an optimistic request's scheduled positions may reach it
+        if caching and req.num_computed_tokens // block_size > req.num_keyed_blocks:
+            cache_full_blocks(req)
         req.token_times.append(now)
         n_out = len(outputs)
         # "stop" on a finishing token once min_tokens outputs exist, else "length" at
@@ -131,5 +134,4 @@ def apply_result(
             continue
         lps: list[TokenLogprobs | None] = [result_logprobs[i]] if result_logprobs else []
         deltas.append(request_delta(req, [token], [now], lps))
-    counts = (num_prefill_tokens, num_decode_tokens, num_prefill_seqs, num_decode_seqs)
-    return AppliedResult(deltas, counts, finished_any)
+    return AppliedResult(deltas, finished_any)

@@ -1,8 +1,9 @@
 """The scheduler: request bookkeeping, batch policy, and the plan diff for the workers.
 
 Pure and socket-free: the engine feeds it requests and step results and ships its
-plans. Protocol, up to `max_inflight` plans in flight (1 unless pipeline parallel; see
-`inflight`), results processed in the order the plans were built:
+plans. Protocol, up to `max_inflight` plans in flight (1 unless pipeline parallel or
+asynchronous scheduling; see `inflight`), results processed in the order the plans were
+built:
 
     while scheduler.can_schedule() and (plan := scheduler.schedule()) is not None:
         ... send plan to the workers ...
@@ -17,7 +18,9 @@ the shared prefix-cache blocks that lead its first `new_block_ids`), then for ea
 `append_token_ids` to the seq's tokens and `new_block_ids` to its block table and
 compute positions [start_pos, start_pos + num_tokens); if `sample`, the last one
 yields the seq's next token. `scheduled` lists decodes first, then prefill chunks
-(the attention metadata layout).
+(the attention metadata layout). Under asynchronous scheduling the worker appends each
+token it samples to the seq itself (a later plan's decode may start from it before the
+scheduler knows it), so `append_token_ids` never carries a sampled token there.
 
 Finished requests: EOS / stop ids / length finishes come out of `process_result`.
 `abort()` queues a finished delta (reason "abort"); it is returned by the next
@@ -49,7 +52,12 @@ from sarazmq.scheduler.adaptive import (
     calibration_requests,
 )
 from sarazmq.scheduler.block_manager import BlockManager
-from sarazmq.scheduler.inflight import InflightQueue, PolicyView, build_plan
+from sarazmq.scheduler.inflight import (
+    InflightQueue,
+    PolicyView,
+    async_hidden_seq_ids,
+    build_plan,
+)
 from sarazmq.scheduler.plan_check import check_result
 from sarazmq.scheduler.policies import BatchDecision, ScheduleContext, make_policy
 from sarazmq.scheduler.prefix_cache import BlockHashFn, PrefixCacheCounters, sha256_block_key
@@ -84,6 +92,7 @@ class Scheduler:
         max_inflight: int = 1,
         role: str = "mixed",
         world_size: int = 1,
+        async_scheduling: bool = False,
     ) -> None:
         """seed: if given, the per-request seeds drawn for requests without
         params.seed come from a generator seeded with it (reproducible runs);
@@ -95,9 +104,16 @@ class Scheduler:
         `inflight`); ValueError when < 1.
         role: "mixed"; or in a disaggregated deployment "prefill" (a request is parked
         after its first token, for a decode instance to pull: `transfers`) or "decode";
-        world_size: the workers that pull KV (each reports its pull)."""
+        world_size: the workers that pull KV (each reports its pull).
+        async_scheduling: build plan N+1 while plan N runs (two in flight, a request in
+        both; see `inflight`); needs max_inflight 1 and role "mixed" (ValueError)."""
         if role not in ("mixed", "prefill", "decode"):
             raise ValueError(f"unknown scheduler role {role!r}")
+        if async_scheduling and (max_inflight != 1 or role != "mixed"):
+            raise ValueError(
+                f"async_scheduling needs one pipeline stage and a co-located instance (got "
+                f"max_inflight={max_inflight}, role={role!r})"
+            )
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be >= 1")
         self.config = config
@@ -121,9 +137,14 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # live (not finished) requests
         self._next_seq_id = 0
         self._step = 0
-        self._inflight = InflightQueue(max_inflight)
+        self.async_scheduling = async_scheduling
+        self._inflight = InflightQueue(2 if async_scheduling else max_inflight)
         self._last_shape = IterationShape()
         self._pipeline = PipelineAccounting(max_inflight)  # behind bubble_fraction
+        # when the last result came in: with two plans in flight the next one runs from
+        # then, not from when it was built
+        self._last_result_time = 0.0
+        self._num_overlapped_plans = 0
         self._pending_freed: list[int] = []
         self._pending_deltas: list[RequestDelta] = []
         self._num_preemptions = 0
@@ -389,6 +410,8 @@ class Scheduler:
             kv_pull_bytes=self.pulls.done_bytes,
             kv_pull_seconds=self.pulls.done_seconds,
             num_parked=len(self.parking.parked),
+            async_scheduling=self.async_scheduling,
+            num_overlapped_plans=self._num_overlapped_plans,
             **(self.budget.stats_fields() if self.budget is not None else {}),
             # the clock is read only while busy: stats() of an idle scheduler reads none
             **self._pipeline.fields(self.clock() if self.inflight else 0.0, self.inflight),
@@ -415,8 +438,9 @@ class Scheduler:
 
     def schedule(self) -> BatchPlan | None:
         """Builds the next plan, or None when there is nothing to run now (requests in
-        a plan in flight are not scheduled again until its result is in). Raises
-        RuntimeError when max_inflight plans are in flight (see `can_schedule`)."""
+        a plan in flight are not scheduled again until its result is in, except under
+        asynchronous scheduling: see `inflight`). Raises RuntimeError when max_inflight
+        plans are in flight (see `can_schedule`)."""
         if self._inflight.full:
             oldest = self._inflight.oldest()
             step = oldest.plan.step if oldest is not None else -1
@@ -425,16 +449,19 @@ class Scheduler:
                 f"{step}, max_inflight={self.max_inflight}); call process_result() first"
             )
         start = self.clock()
-        if self.max_inflight == 1:
+        hidden = async_hidden_seq_ids(self.running) if self.async_scheduling else set()
+        if hidden:
+            decision, num_preempted = self._decide_in_view(len(self.running), hidden)
+        elif self.max_inflight == 1 or self.async_scheduling:
             decision, num_preempted = self._decide(self._context(self.running, 0))
         else:
             # micro-batches: the policy sees only requests not in flight, first its share
             # of them, then (when that share alone cannot run) all of them
             share = -(-len(self.running) // self.max_inflight)
-            decision, num_preempted = self._decide_in_view(share)
             inflight = self._inflight.seq_ids
+            decision, num_preempted = self._decide_in_view(share, inflight)
             if decision.empty and any(r.seq_id not in inflight for r in self.running):
-                decision, more = self._decide_in_view(len(self.running))
+                decision, more = self._decide_in_view(len(self.running), inflight)
                 num_preempted += more
         if decision.empty:
             return None
@@ -451,9 +478,10 @@ class Scheduler:
             num_hidden=hidden,
         )
 
-    def _decide_in_view(self, share: int) -> tuple[BatchDecision, int]:
-        """`_decide` over a `PolicyView` showing at most `share` running requests."""
-        view = PolicyView(self.running, self._inflight.seq_ids, share)
+    def _decide_in_view(self, share: int, hidden: set[int]) -> tuple[BatchDecision, int]:
+        """`_decide` over a `PolicyView` showing at most `share` running requests, none
+        of those in `hidden`."""
+        view = PolicyView(self.running, hidden, share)
         try:
             return self._decide(self._context(view.running, view.num_hidden))
         finally:
@@ -475,10 +503,18 @@ class Scheduler:
     def _build_plan(self, decision: BatchDecision, start: float, num_preempted: int) -> BatchPlan:
         self._step += 1
         entry = build_plan(
-            decision, self._step, self._pending_freed, start, num_preempted, self.prefix_cache
+            decision,
+            self._step,
+            self._pending_freed,
+            start,
+            num_preempted,
+            self.prefix_cache,
+            optimistic=self.async_scheduling,
         )
         self._pending_freed = []
         self._last_shape = entry.shape
+        if self._inflight:
+            self._num_overlapped_plans += 1
         self._pipeline.plan_sent(start, was_idle=not self._inflight)
         self._inflight.push(entry)
         return entry.plan
@@ -507,6 +543,7 @@ class Scheduler:
             self.blocks,
             self._calibration_seq_ids,
             lambda req, reason: self._finish(req, reason, remove_from_running=False),
+            optimistic=self.async_scheduling,
         )
         deltas, self._pending_deltas = self._pending_deltas + applied.deltas, []
         if applied.finished_any:
@@ -516,13 +553,14 @@ class Scheduler:
 
         self._inflight.pop()
         self._num_iterations += 1
-        record = entry.record(result, now, applied.token_counts)
+        # two plans in flight: the worker started this one once it answered the previous
+        start = max(entry.start, self._last_result_time) if self.async_scheduling else entry.start
+        self._last_result_time = now
+        record = entry.record(result, start, now)
         self.iteration_records.append(record)
         self._pipeline.result_in(record, now, idle=not self._inflight)
         if self.budget is not None:
-            self.budget.observe_iteration(
-                entry.shape, entry.start, now, calibrated=not self.calibrating
-            )
+            self.budget.observe_iteration(entry.shape, start, now, calibrated=not self.calibrating)
         return deltas
 
     # ---- internals ----

@@ -73,6 +73,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     Pipeline (see `bubble_fraction`): pipeline_parallel_size stages; active_s: seconds
     with at least one plan in flight; stage_busy_s: per stage, seconds computing, summed;
     bubble_fraction: idle stage time / total stage time over the active time.
+
+    async_scheduling: plan N+1 is built while plan N runs (`inflight`);
+    num_overlapped_plans: plans built while another was in flight (micro-batches of a
+    pipeline count too).
     """
 
     num_waiting: int
@@ -108,6 +112,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     active_s: float = 0.0
     stage_busy_s: list[float] = []
     bubble_fraction: float = 0.0
+    async_scheduling: bool = False
+    num_overlapped_plans: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

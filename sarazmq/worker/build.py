@@ -109,4 +109,13 @@ def build_model_runner(
             graph_batch,
             seconds,
         )
-    return ModelRunner(model, kv_caches, config.cache.block_size, sampler, device, stage, graphs)
+    return ModelRunner(
+        model,
+        kv_caches,
+        config.cache.block_size,
+        sampler,
+        device,
+        stage,
+        graphs,
+        keep_sampled_tokens=config.async_scheduling,
+    )

@@ -52,10 +52,16 @@ class ModelRunner:
         device: torch.device,
         stage: StageLinks | None = None,
         decode_graphs: DecodeGraphs | None = None,
+        keep_sampled_tokens: bool = False,
     ) -> None:
         """stage: this runner's pipeline stage and its activation links (None: the
         whole model, no pipeline); decode_graphs: where decode-only batches it takes run
-        (captured CUDA graphs), None: every batch runs op by op."""
+        (captured CUDA graphs), None: every batch runs op by op; keep_sampled_tokens:
+        append each sampled token to its sequence here (asynchronous scheduling: the
+        next plan, built before this result is in, decodes from it; see
+        `sarazmq.scheduler.inflight`); needs a sampler (the only worker)."""
+        if keep_sampled_tokens and sampler is None:
+            raise ValueError("keep_sampled_tokens needs the runner that samples")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -64,6 +70,7 @@ class ModelRunner:
         self.device = device
         self.stage = stage
         self.decode_graphs = decode_graphs
+        self.keep_sampled_tokens = keep_sampled_tokens
         self._seqs: dict[int, SeqState] = {}
         # float32 logits destination reused across steps (see LlamaForCausalLM.compute_logits)
         self._logits_buf: torch.Tensor | None = None
@@ -179,8 +186,11 @@ class ModelRunner:
         logits = self.model.compute_logits(
             hidden.index_select(0, rows), self._logits_out(len(sample_rows))
         )  # [N, vocab]
-        seqs = [self._sampling_seq(self._seqs[s]) for s in sample_seq_ids]
-        token_ids, logprobs = self.sampler.sample(logits, seqs)
+        states = [self._seqs[s] for s in sample_seq_ids]
+        token_ids, logprobs = self.sampler.sample(logits, [self._sampling_seq(s) for s in states])
+        if self.keep_sampled_tokens:
+            for state, token in zip(states, token_ids, strict=True):
+                state.token_ids.append(token)
         return self._result(step, t0, wait_s, timings, sample_seq_ids, token_ids, logprobs)
 
     @property

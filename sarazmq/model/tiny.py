@@ -1,6 +1,7 @@
-"""Tiny random-weight models for tests where the real model is not the point: the process
-machinery, the scheduler, the transport. They load and run in a fraction of the default
-model's time, with its tokenizer and chat template (prompts and texts stay meaningful)."""
+"""Tiny random-weight models, for tests and benchmarks where the real model is not the
+point: the process machinery, the scheduler, the transport, the host's share of a step
+(scripts/bench_async.py). They load and run in a fraction of the default model's time,
+with its tokenizer and chat template (prompts and texts stay meaningful)."""
 
 from __future__ import annotations
 
