@@ -130,14 +130,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the outputs of the requests that changed."""
         deltas = list(self.scheduler.drain_finished())
-        # fill the pipeline (one plan without pipeline parallelism), then take the oldest
-        # result, as a deployment's scheduler does
+        # fill the pipeline (one plan, or two with asynchronous scheduling) and take the
+        # oldest result, as a deployment's scheduler does. The forward runs here, inside
+        # the call, so a result waiting when the next plan is built is processed before
+        # that plan runs: each iteration record then times its own forward.
+        processed = False
         while self.scheduler.can_schedule():
             plan = self.scheduler.schedule()
             if plan is None:
                 break
+            if self._results:
+                deltas.extend(self.scheduler.process_result(self._results.popleft()))
+                processed = True
             self._results.append(self.runner.execute(plan))
-        if self._results:
+            if processed:
+                break
+        if self._results and not processed:
             deltas.extend(self.scheduler.process_result(self._results.popleft()))
         result = self.detokenizer.detokenize(deltas)
         for rid in result.stop_hits:

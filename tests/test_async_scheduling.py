@@ -212,7 +212,7 @@ def test_async_scheduling_needs_one_worker_and_co_located_instances() -> None:
     assert sched.async_scheduling and sched.max_inflight == 2
 
 
-def test_cli_flag_sets_the_config(tmp_path) -> None:
+def test_cli_flag_sets_the_config() -> None:
     from click.testing import CliRunner
 
     from sarazmq.cli import main
@@ -260,6 +260,11 @@ def test_the_real_model_outputs_do_not_change() -> None:
         stats = llm.engine.scheduler.stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
         assert (stats.num_overlapped_plans > 0) == on
+        # in process the forward runs inside step(): each record spans its own forward
+        records = list(llm.engine.scheduler.iteration_records)
+        assert records and all(r.forward_s > 0 for r in records)
+        bad = [(on, r.step, r.end - r.start, r.forward_s) for r in records if r.end - r.start < r.forward_s]
+        assert not bad, bad[:5]
     assert got[True] == got[False]
     assert {reason for _, _, reason in got[True]} >= {"stop", "length"}
     for i in range(0, 12, 3):  # the requests that asked for logprobs

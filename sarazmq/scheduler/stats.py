@@ -14,7 +14,9 @@ MAX_ITERATION_RECORDS = 200_000
 class IterationRecord(msgspec.Struct, array_like=True, omit_defaults=True):
     """One completed iteration (appended by process_result).
 
-    start: scheduler clock when the plan was built; end: when its result was processed.
+    start: scheduler clock when the plan was built, or under asynchronous scheduling when
+    the previous plan's result was processed if that is later (the worker was busy with it
+    until then); end: when its result was processed.
     forward_s: the worker's own forward time from the StepResult.
     cache_queries / cache_hits: prompt tokens of the requests first admitted in this
     iteration / how many of them the prefix cache held; preempted_cache_*: the same for
