@@ -263,7 +263,11 @@ def test_the_real_model_outputs_do_not_change() -> None:
         # in process the forward runs inside step(): each record spans its own forward
         records = list(llm.engine.scheduler.iteration_records)
         assert records and all(r.forward_s > 0 for r in records)
-        bad = [(on, r.step, r.end - r.start, r.forward_s) for r in records if r.end - r.start < r.forward_s]
+        bad = [
+            (on, r.step, r.end - r.start, r.forward_s)
+            for r in records
+            if r.end - r.start < r.forward_s
+        ]
         assert not bad, bad[:5]
     assert got[True] == got[False]
     assert {reason for _, _, reason in got[True]} >= {"stop", "length"}
