@@ -274,3 +274,23 @@ def test_the_real_model_outputs_do_not_change() -> None:
     for i in range(0, 12, 3):  # the requests that asked for logprobs
         assert len(logprobs[True][i]) == len(got[True][i][0])
         assert logprobs[True][i] == pytest.approx(logprobs[False][i], abs=1e-4)
+
+
+def test_a_request_in_both_plans_stays_held_until_the_second_result() -> None:
+    from typing import Any, cast
+
+    from sarazmq.scheduler.inflight import InflightPlan, InflightQueue
+
+    def entry(*seq_ids: int) -> InflightPlan:
+        none = cast(Any, None)
+        reqs = {sid: none for sid in seq_ids}
+        return InflightPlan(none, reqs, 0.0, 0, none, none)
+
+    queue = InflightQueue(max_inflight=2)
+    queue.push(entry(1, 2))
+    queue.push(entry(2, 3))
+    assert queue.seq_ids == {1, 2, 3}
+    queue.pop()
+    assert queue.seq_ids == {2, 3}  # seq 2 is still in the second plan
+    queue.pop()
+    assert queue.seq_ids == set()

@@ -120,7 +120,10 @@ class InflightQueue:
 
     def pop(self) -> InflightPlan:
         entry = self.plans.popleft()
-        self.seq_ids.difference_update(entry.reqs)
+        # a request can be in two plans (asynchronous scheduling): keep the ids the
+        # remaining plans still hold
+        still_held = {sid for plan in self.plans for sid in plan.reqs}
+        self.seq_ids.difference_update(sid for sid in entry.reqs if sid not in still_held)
         return entry
 
 
