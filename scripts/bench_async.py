@@ -38,23 +38,17 @@ from sarazmq.options import EngineOptions
 from sarazmq.procs.launcher import Deployment
 from sarazmq.sampling_params import SamplingParams
 
-TOPICS = [
-    "Explain how a bicycle works.",
-    "Write a short story about a robot who learns to paint.",
-    "What are the main causes of climate change?",
-    "Give me a recipe for pancakes.",
-    "Describe the water cycle for a ten-year-old.",
-    "List some tips for learning a new language.",
-    "What is the difference between a virus and a bacterium?",
-    "Summarize the plot of Romeo and Juliet.",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_ipc import PROMPTS  # noqa: E402  (the same chat prompts as the IPC bench)
+
 LONG = "The history of the printing press is a story of cheaper books and faster ideas. " * 36
 
 
 def prompts(kind: str, n: int) -> list[str]:
     out = []
     for i in range(n):
-        p = TOPICS[i % len(TOPICS)] + f" ({i})"
+        p = PROMPTS[i % len(PROMPTS)] + f" ({i})"
         out.append(LONG + p if kind == "mixed" and i % 4 == 0 else p)
     return out
 
@@ -138,7 +132,7 @@ def main() -> int:
     ):
         clients = {"sync": c_sync, "async": c_async}
         for c in clients.values():  # warm-up
-            c.generate(TOPICS[0], SamplingParams(temperature=0, max_tokens=8))
+            c.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
         for kind in args.workloads.split(","):
             texts = prompts(kind, args.requests)
             for _ in range(args.runs):

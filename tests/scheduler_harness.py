@@ -13,7 +13,7 @@ prefix-cache hit on the wrong block (or an overwritten shared block) fails loudl
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +26,10 @@ from sarazmq.scheduler import Request, Scheduler
 from sarazmq.sim.run import sim_engine_config
 
 TokenFn = Callable[[int, list[int], int], int]
+# called for each plan built: the scheduler, the plan's seq ids, those of each plan still
+# in flight before it (oldest first)
+PlanHook = Callable[[Scheduler, set[int], list[set[int]]], None]
+Requests = list[tuple[str, list[int], SamplingParams]]
 
 
 def fake_token(seq_id: int, tokens: list[int], num_prompt: int) -> int:
@@ -314,6 +318,62 @@ def drive(
     assert not sched.has_unfinished()
     assert sched.blocks.num_free_blocks == sched.blocks.num_total_blocks
     return RunResult(outputs, finish, all_deltas, iters, requests)
+
+
+def drive_inflight(
+    sched: Scheduler,
+    requests: Requests,
+    *,
+    keep_sampled: bool = False,
+    abort_at: int = -1,
+    on_plan: PlanHook | None = None,
+    max_steps: int = 5000,
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Runs every request to its end with as many plans in flight as the scheduler takes
+    (pipeline micro-batches, asynchronous scheduling), a fake worker applying the plans
+    in order (`keep_sampled`: it appends its own sampled tokens, as under asynchronous
+    scheduling). Aborts the first request at step `abort_at`. Checks every step: at most
+    max_inflight plans in flight, schedule() refused when full, no delta after a finish,
+    the block pool consistent. Returns each request's outputs and finish reason."""
+    worker = FakeWorker(sched.block_size, sched.blocks.num_total_blocks, keep_sampled=keep_sampled)
+    for rid, prompt, params in requests:
+        sched.add_request(rid, prompt, params)
+    inflight: deque[tuple[StepResult, set[int]]] = deque()
+    outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    finish: dict[str, str] = {}
+    for step in range(1, max_steps + 1):
+        if not (sched.has_unfinished() or inflight):
+            break
+        if step == abort_at:
+            sched.abort(requests[0][0])
+        while sched.can_schedule():
+            plan = sched.schedule()
+            if plan is None:
+                break
+            seqs = {s.seq_id for s in plan.scheduled}
+            if on_plan is not None:
+                on_plan(sched, seqs, [earlier for _, earlier in inflight])
+            inflight.append((worker.run(plan), seqs))
+            assert sched.num_inflight == len(inflight) <= sched.max_inflight
+        assert inflight, "nothing in flight and nothing scheduled, with work pending"
+        if not sched.can_schedule():
+            try:
+                sched.schedule()
+            except RuntimeError as e:
+                assert "plans in flight" in str(e)
+            else:
+                raise AssertionError("schedule() with every slot in flight did not raise")
+        result, _ = inflight.popleft()
+        for d in sched.drain_finished() + sched.process_result(result):
+            assert d.request_id not in finish, f"delta after the finish of {d.request_id}"
+            outputs[d.request_id].extend(d.new_token_ids)
+            if d.finish_reason:
+                finish[d.request_id] = d.finish_reason
+        check_blocks(sched)
+    else:
+        raise AssertionError(f"workload did not finish in {max_steps} steps")
+    assert sched.blocks.num_free_blocks == sched.blocks.num_total_blocks
+    return outputs, finish
 
 
 def sim_config(*, num_blocks: int, max_model_len: int, **options: object) -> EngineConfig:

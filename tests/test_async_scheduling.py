@@ -13,7 +13,7 @@ import random
 from collections import deque
 
 import pytest
-from scheduler_harness import FakeWorker, check_blocks, reference_outputs
+from scheduler_harness import FakeWorker, Requests, drive_inflight, reference_outputs
 
 from sarazmq import LLM, SamplingParams
 from sarazmq.config import POLICIES, EngineConfig, SchedulerConfig
@@ -22,50 +22,26 @@ from sarazmq.protocol.worker import StepResult
 from sarazmq.scheduler import Scheduler
 from sarazmq.scheduler.build import build_scheduler
 
-Requests = list[tuple[str, list[int], SamplingParams]]
-
 
 def _drive(
     sched: Scheduler, requests: Requests, abort_at: int = -1
 ) -> tuple[dict[str, list[int]], dict[str, str], dict[str, int]]:
-    """Runs every request to its end with two plans in flight whenever the scheduler
-    builds one, the worker applying plans in order. Returns outputs, finish reasons and
-    counters: `shared` plans that held a request also in the plan before them (still in
-    flight), `pending_preempted` schedule() calls after which a preempted request
-    waited for the token its plan in flight samples."""
-    worker = FakeWorker(sched.block_size, sched.blocks.num_total_blocks, keep_sampled=True)
-    for rid, prompt, params in requests:
-        sched.add_request(rid, prompt, params)
-    inflight: deque[tuple[StepResult, set[int]]] = deque()
-    outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
-    finish: dict[str, str] = {}
+    """`drive_inflight` with a worker keeping its own tokens. Also returns counters:
+    `shared` plans that held a request also in the plan before them (still in flight),
+    `pending_preempted` plans built while a preempted request waited for the token its
+    plan in flight samples."""
     counts = {"shared": 0, "pending_preempted": 0}
-    steps = 0
-    while sched.has_unfinished() or inflight:
-        steps += 1
-        assert steps < 5000, "did not finish"
-        if steps == abort_at:
-            sched.abort(requests[0][0])
-        while sched.can_schedule():
-            plan = sched.schedule()
-            if plan is None:
-                break
-            seqs = {s.seq_id for s in plan.scheduled}
-            if inflight and seqs & inflight[-1][1]:
-                counts["shared"] += 1
-            if any(r.num_pending_samples for r in sched.waiting):
-                counts["pending_preempted"] += 1
-            inflight.append((worker.run(plan), seqs))
-            assert sched.num_inflight == len(inflight) <= 2
-        assert inflight, "nothing in flight and nothing scheduled, with work pending"
-        result, _ = inflight.popleft()
-        for d in sched.drain_finished() + sched.process_result(result):
-            assert d.request_id not in finish, f"delta after the finish of {d.request_id}"
-            outputs[d.request_id].extend(d.new_token_ids)
-            if d.finish_reason:
-                finish[d.request_id] = d.finish_reason
-        check_blocks(sched)
-    assert sched.blocks.num_free_blocks == sched.blocks.num_total_blocks
+
+    def on_plan(sched: Scheduler, seqs: set[int], earlier: list[set[int]]) -> None:
+        assert len(earlier) < 2
+        if earlier and seqs & earlier[-1]:
+            counts["shared"] += 1
+        if any(r.num_pending_samples for r in sched.waiting):
+            counts["pending_preempted"] += 1
+
+    outputs, finish = drive_inflight(
+        sched, requests, keep_sampled=True, abort_at=abort_at, on_plan=on_plan
+    )
     return outputs, finish, counts
 
 

@@ -4,12 +4,11 @@ outputs identical to one stage, in process and across worker processes (TP x PP)
 from __future__ import annotations
 
 import random
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from scheduler_harness import FakeWorker, check_blocks, reference_outputs
+from scheduler_harness import FakeWorker, Requests, drive_inflight, reference_outputs
 
 from sarazmq import LLM
 from sarazmq.config import POLICIES, CacheConfig, EngineConfig, SchedulerConfig
@@ -18,7 +17,6 @@ from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.kv_cache import allocate_kv_cache, stage_layers
 from sarazmq.model.loader import load_model, load_model_config, resolve_model
 from sarazmq.options import EngineOptions
-from sarazmq.protocol.worker import StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler import Scheduler
 from sarazmq.scheduler.stats import IterationRecord, active_seconds, bubble_fraction
@@ -179,45 +177,19 @@ def test_stages_hold_their_layers_and_chain_to_the_whole_model(tiny_model: str) 
 
 
 def _drive_pipelined(
-    sched: Scheduler, requests: list[tuple[str, list[int], SamplingParams]], abort_at: int = -1
+    sched: Scheduler, requests: Requests, abort_at: int = -1
 ) -> tuple[dict[str, list[int]], dict[str, str], int]:
-    """Runs every request with up to max_inflight plans in flight against a fake worker
-    that applies plans in order; checks that a request is in at most one plan in flight
-    and that at most max_inflight are. Returns outputs, finish reasons, most in flight."""
-    worker = FakeWorker(sched.block_size, sched.blocks.num_total_blocks)
-    for rid, prompt, params in requests:
-        sched.add_request(rid, prompt, params)
-    inflight: deque[tuple[StepResult, set[int]]] = deque()
-    outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
-    finish: dict[str, str] = {}
+    """`drive_inflight`, checking that a request is in at most one plan in flight.
+    Returns outputs, finish reasons and the most plans in flight at once."""
     most = 0
-    steps = 0
-    while sched.has_unfinished() or inflight:
-        steps += 1
-        assert steps < 5000, "did not finish"
-        if steps == abort_at:
-            sched.abort(requests[0][0])
-        while sched.can_schedule():
-            plan = sched.schedule()
-            if plan is None:
-                break
-            seqs = {s.seq_id for s in plan.scheduled}
-            for _, earlier in inflight:
-                assert not seqs & earlier, "a request in two plans in flight"
-            inflight.append((worker.run(plan), seqs))
-            most = max(most, len(inflight))
-            assert sched.num_inflight == len(inflight) <= sched.max_inflight
-        assert inflight, "nothing in flight and nothing scheduled, with work pending"
-        if not sched.can_schedule():
-            with pytest.raises(RuntimeError, match="plans in flight"):
-                sched.schedule()
-        result, _ = inflight.popleft()
-        for d in sched.drain_finished() + sched.process_result(result):
-            outputs[d.request_id].extend(d.new_token_ids)
-            if d.finish_reason:
-                finish[d.request_id] = d.finish_reason
-        check_blocks(sched)
-    assert sched.blocks.num_free_blocks == sched.blocks.num_total_blocks
+
+    def on_plan(sched: Scheduler, seqs: set[int], earlier: list[set[int]]) -> None:
+        nonlocal most
+        for other in earlier:
+            assert not seqs & other, "a request in two plans in flight"
+        most = max(most, len(earlier) + 1)
+
+    outputs, finish = drive_inflight(sched, requests, abort_at=abort_at, on_plan=on_plan)
     return outputs, finish, most
 
 

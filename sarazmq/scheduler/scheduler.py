@@ -38,13 +38,11 @@ from collections.abc import Callable
 from sarazmq.config import SchedulerConfig
 from sarazmq.protocol.common import (
     FINISH_ABORT,
-    FINISH_ERROR,
-    FINISH_LENGTH,
     FINISH_STOP,
     FinishReason,
 )
 from sarazmq.protocol.engine import InstanceLoad, RequestDelta
-from sarazmq.protocol.worker import BatchPlan, KVPull, StepResult
+from sarazmq.protocol.worker import BatchPlan, StepResult
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.adaptive import (
     CALIBRATION_REQUESTS,
@@ -52,6 +50,7 @@ from sarazmq.scheduler.adaptive import (
     calibration_requests,
 )
 from sarazmq.scheduler.block_manager import BlockManager
+from sarazmq.scheduler.handoff import DisaggregationMixin
 from sarazmq.scheduler.inflight import (
     InflightQueue,
     PolicyView,
@@ -70,11 +69,11 @@ from sarazmq.scheduler.stats import (
     PipelineAccounting,
     SchedulerStats,
 )
-from sarazmq.scheduler.transfers import KVParking, KVPulls, KVSource
+from sarazmq.scheduler.transfers import KVParking, KVPulls
 from sarazmq.validation import InvalidRequestError, check_prompt_token_ids
 
 
-class Scheduler:
+class Scheduler(DisaggregationMixin):
     """Owns all requests, the KV block pool and the policy; builds diff plans."""
 
     def __init__(
@@ -208,95 +207,6 @@ class Scheduler:
         self._next_seq_id += 1
         self._requests[request_id] = req
         self.waiting.append(req)
-
-    def add_prefilled_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        first_token: int,
-        first_token_time: float,
-        first_scheduled_time: float,
-        arrival_time: float,
-        source: KVSource | None = None,
-    ) -> None:
-        """Queues a request whose prompt another instance computed (the decode side of a
-        disaggregated deployment): the prompt's KV arrives by transfer and its first output
-        token is known. Admitted, its blocks hold the sent KV, and its first step computes
-        the first output token's KV and samples the second; preempted, it recomputes the
-        prompt here (the KV is not asked for again). InvalidRequestError as add_request,
-        and when the request has no output left to make.
-
-        source: where its KV is (a decode instance of a deployment): it waits for blocks,
-        then its workers pull the KV (`start_pulls`, `kv_pulled`) before it can run.
-        Without one (the simulator) the KV is taken to be here already."""
-        self.add_request(request_id, prompt_token_ids, params, arrival_time)
-        req = self._requests[request_id]
-        if req.max_output_tokens < 2:
-            self._requests.pop(request_id)
-            self.waiting.remove(req)
-            raise InvalidRequestError(
-                f"request {request_id!r} is done after its first token (max_tokens "
-                f"{params.max_tokens}): nothing is left to decode",
-                "max_tokens",
-            )
-        req.output_token_ids.append(first_token)
-        req.token_times.append(first_token_time)
-        req.first_scheduled_time = first_scheduled_time
-        req.num_transferred_tokens = len(req.prompt_token_ids)
-        if source is not None:
-            self.waiting.remove(req)
-            self.pulls.add(req, source)
-
-    def start_pulls(self) -> list[KVPull]:
-        """Gives blocks to the arrived requests that fit and returns the pulls to send to
-        every worker (`transfers.KVPulls.start`)."""
-        self.pulls.start(self._watermark_blocks if self.running else 0)
-        return self.pulls.take_pulls()
-
-    def kv_pulled(
-        self, seq_id: int, rank: int, error: str, nbytes: int = 0, seconds: float = 0.0
-    ) -> tuple[Request, KVSource, str] | None:
-        """One worker's report of a pull. Once every rank has reported: the request, its
-        source and the pull's error (""; "cancelled" for an aborted request). Its KV in
-        place, the request waits for admission with its blocks; otherwise it is finished
-        (the caller reports the error)."""
-        done = self.pulls.pulled(seq_id, rank, error, nbytes, seconds)
-        if done is None:
-            return None
-        req, source, err = done
-        if err == "cancelled":
-            return done
-        if err:
-            self._finish(req, FINISH_ERROR)
-            return done
-        req.status = RequestStatus.WAITING
-        self.waiting.append(req)
-        return done
-
-    def source_down(self, instance: int) -> list[Request]:
-        """Prefill instance `instance` died: the requests whose KV was to come from it are
-        finished (with an error: the caller reports it); blocks a pull writes into stay
-        until its ranks report. Returns them."""
-        failed = self.pulls.from_source(instance)
-        for req in failed:
-            self._finish(req, FINISH_ERROR)
-        return failed
-
-    def take_handoffs(self) -> list[Request]:
-        """A prefill instance's requests parked since the last call (their first token
-        out, their KV kept): to hand off to a decode instance."""
-        return self.parking.take_handoffs()
-
-    def release_parked(self, request_id: str) -> bool:
-        """Frees a parked request's blocks (its KV was pulled, or is no longer needed);
-        False if it is not parked here."""
-        req = self.parking.parked.get(request_id)
-        if req is None:
-            return False
-        self._finish(req, FINISH_LENGTH)  # counted finished here: its part is done
-        return True
 
     def abort(self, request_id: str) -> bool:
         """Finishes a live request with "abort" and frees its blocks. Its delta comes
@@ -564,28 +474,6 @@ class Scheduler:
         return deltas
 
     # ---- internals ----
-
-    def _park_first_tokens(self, plan: BatchPlan) -> None:
-        """A prefill instance: each request that just sampled its first token and goes on
-        leaves the running requests with its blocks (`transfers.KVParking`)."""
-        reqs = self._requests
-        parked = False
-        for s in plan.scheduled:
-            if not s.sample:
-                continue
-            req = next((r for r in self.running if r.seq_id == s.seq_id), None)
-            if req is None or req.num_output_tokens != 1 or req.request_id not in reqs:
-                continue
-            if self._calibration_seq_ids and req.seq_id in self._calibration_seq_ids:
-                continue
-            req.status = RequestStatus.PARKED
-            parked = True
-            if req.on_worker:
-                self._pending_freed.append(req.seq_id)
-                req.on_worker = False
-            self.parking.park(req)
-        if parked:
-            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
 
     def _start_calibration(self) -> None:
         """Queues the adaptive budget's calibration requests (see `adaptive`)."""
