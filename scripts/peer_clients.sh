@@ -17,10 +17,12 @@
 #   tar xzf /tmp/peer/llamacpp-src/llama_cpp_python-0.3.36.tar.gz -C /tmp/peer/llamacpp-src
 #   cd /tmp/peer/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp
 #   cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
-#   cmake --build build --target llama-server -j 2      # ~30 min on 2 cores
+#   cmake --build build --target llama-server -j 2      # 12-30 min on 2 cores
 # On the Xeon AMX VM (2026-12-05) that GGML_NATIVE build died with SIGILL at its first decode, in
-# ggml's AMX kernel (`tilezero`, tinygemm_kernel_amx); untried there: -DGGML_NATIVE=OFF -DGGML_AVX512=ON
-# -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON (no AMX).
+# ggml's AMX kernel (`tilezero`, tinygemm_kernel_amx); this one, without AMX, ran there:
+#   cmake -B build-noamx -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX512=ON \
+#     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+#     -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
 # SERVERS="sarazmq vllm llamacpp" picks which run.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
