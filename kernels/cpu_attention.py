@@ -21,6 +21,7 @@ shape is beyond their limits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +39,12 @@ from .cpu_attention_kernels import (
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
 from .decode_step import DecodeLayerWeights, FusedDecodeStep, StepSizes
 from .hybrid_step import HybridStep
-from .kv_int8 import is_int8_cache, write_kv_int8_native
+from .kv_int8 import (
+    INT8_SCALE_BYTES,
+    dequantize_kv_blocks_native,
+    is_int8_cache,
+    write_kv_int8_native,
+)
 from .metadata import AttentionMetadata
 from .native import cpu_has_flag
 from .torch_attention import _DECODE_GROUP_BYTES, TorchPagedAttention
@@ -63,6 +69,8 @@ class CpuPagedAttention(TorchPagedAttention):
         if native_prefill is None:
             native_prefill = prefill_amx_available() or not cpu_has_flag("amx_bf16")
         self.native_prefill = native_prefill
+        # int8 caches: each chunk's context blocks dequantized to bf16 ("k", "v")
+        self._dequant_buffers: dict[str, torch.Tensor] = {}
         # the model takes its fused elementwise ops and matmuls from here
         self.ops: HotOps
         try:
@@ -156,10 +164,9 @@ class CpuPagedAttention(TorchPagedAttention):
         if is_int8_cache(k_cache):
             # the sequence's blocks dequantized, in order: the kernel reads them as a
             # cache of their own (blocks 0 .. n-1)
-            blocks = table.to(torch.long)
-            k_cache = self._gather("k", k_cache, blocks, q.dtype)
-            v_cache = self._gather("v", v_cache, blocks, q.dtype)
-            table = torch.arange(blocks.numel(), dtype=torch.int32)
+            k_cache = self._dequantized("k", k_cache, table, q.dtype)
+            v_cache = self._dequantized("v", v_cache, table, q.dtype)
+            table = torch.arange(table.numel(), dtype=torch.int32)
         # scratch rows are cache-block rows; enough of them for the packed K/V
         row = k_cache[0].numel()
         scratch = self._scratch_rows(
@@ -168,6 +175,22 @@ class CpuPagedAttention(TorchPagedAttention):
             -(-prefill_scratch_elems(k_len, k_cache.shape[2], k_cache.shape[3]) // row),
         ).view(-1)
         return prefill_attention(q, k_cache, v_cache, table, k_len, scale, out, scratch)
+
+    def _dequantized(
+        self, which: str, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """An int8 cache's blocks `table` (int32) in `dtype`: in C into the reusable buffer
+        `which` + "_dq" for bf16, else torch's `_gather` (a new tensor)."""
+        n, (_, block_size, hkv, row) = table.numel(), cache.shape
+        if dtype == torch.bfloat16:
+            shape = (n, block_size, hkv, row - INT8_SCALE_BYTES)
+            buf = self._dequant_buffers.get(which)
+            if buf is None or buf.numel() < math.prod(shape):
+                buf = self._dequant_buffers[which] = torch.empty(math.prod(shape), dtype=dtype)
+            out = buf[: math.prod(shape)].view(shape)
+            if dequantize_kv_blocks_native(cache, table.contiguous(), out):
+                return out
+        return self._gather(which, cache, table.to(torch.long), dtype)
 
     def _gather_native(self, which: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache[blocks] ([n, block_size, Hkv, D]) into the reusable buffer `which`."""

@@ -91,7 +91,7 @@ FUSED_MAX_ROWS_BLOCKS = {
 
 
 Matmul = torch.Tensor | BlockQuantWeight | Int8Panels
-_KV_SLOTS = ("k_cache", "v_cache")  # a layer's KV caches, as kernels.h names their slots
+KV_SLOTS = ("k_cache", "v_cache")  # a layer's KV caches, as kernels.h names their slots
 _SCALES = "_scales"  # slot "<matmul>_scales": that matmul's block scales
 _FORMAT = {"q4": 1, "q8": 2}  # kernels.h's DECODE_STEP_W_Q4, _Q8 (DECODE_STEP_W_PLAIN = 0)
 _FORMAT_INT8_PANELS = 3  # DECODE_STEP_W_I8P
@@ -148,7 +148,7 @@ def decode_step_layout() -> DecodeStepLayout:
         tuple(lib.decode_step_layer_slots().decode().split()),
         tuple(lib.decode_step_matmuls().decode().split()),
     )
-    want = {*DecodeLayerWeights._fields, *_KV_SLOTS, *(m + _SCALES for m in MATMULS)}
+    want = {*DecodeLayerWeights._fields, *KV_SLOTS, *(m + _SCALES for m in MATMULS)}
     if (
         len(set(layout.slots)) != len(layout.slots)
         or set(layout.slots) != want
@@ -299,7 +299,7 @@ class FusedDecodeStep:
                     raise ValueError(
                         f"layer {i} {name}: shape {tuple(t.shape)}, expected {shapes[name]}"
                     )
-            for name, t in zip(_KV_SLOTS, caches, strict=True):
+            for name, t in zip(KV_SLOTS, caches, strict=True):
                 want = shapes[name]
                 if self.kv_int8:  # a row's D values and its scale's bytes
                     want = (*want[:3], want[3] + INT8_SCALE_BYTES)
@@ -325,7 +325,7 @@ class FusedDecodeStep:
                     row[slot[name + _SCALES]] = t.scales.data_ptr()
                 else:
                     row[slot[name]] = t.data_ptr()
-            for name, t in zip(_KV_SLOTS, caches, strict=True):
+            for name, t in zip(KV_SLOTS, caches, strict=True):
                 row[slot[name]] = t.data_ptr()
             ptrs.extend(row)
             for name in layout.matmuls:

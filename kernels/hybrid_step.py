@@ -26,6 +26,7 @@ import torch
 from .cpu_attention_kernels import prefill_scratch_elems
 from .cpu_ops import GEMV_MAX_ROWS_TILES
 from .decode_step import (
+    KV_SLOTS,
     MATMULS,
     DecodeLayerWeights,
     StepSizes,
@@ -33,6 +34,7 @@ from .decode_step import (
     layer_slot_shapes,
     step_inputs_fit,
 )
+from .kv_int8 import INT8_SCALE_BYTES, is_int8_cache
 from .metadata import AttentionMetadata
 from .native import load_library
 
@@ -64,6 +66,9 @@ _ARGTYPES = [
     _F,  # eps
     _F,  # scale
     _P,  # prefill scratch
+    _I,  # kv_int8
+    _P,  # kv_dequant (int8 caches)
+    _P,  # identity block ids (int8 caches)
 ]
 
 
@@ -72,7 +77,9 @@ class HybridStep:
 
     layers: each layer's norms and its matmuls as their AMX tile layouts (flat bf16
     tensors of N * K elements, `LinearWeight.tiles`); kv_caches: per layer (k_cache,
-    v_cache), bf16 [num_blocks, block_size, Hkv, D] contiguous; final_norm: [hidden];
+    v_cache), bf16 [num_blocks, block_size, Hkv, D] contiguous, or all int8 rows
+    [num_blocks, block_size, Hkv, D + 4] (`kv_int8`: each chunk's context is dequantized
+    to bf16 for the prefill kernel, as the per-op path does); final_norm: [hidden];
     sizes: the model's `StepSizes`. Raises ValueError when the kernels are unavailable or a
     tensor does not fit.
     """
@@ -90,16 +97,22 @@ class HybridStep:
         if not layers or len(layers) != len(kv_caches):
             raise ValueError(f"{len(layers)} layers for {len(kv_caches)} KV caches")
         tensors = [final_norm]
+        cache_tensors: list[torch.Tensor] = []
         for weights, caches in zip(layers, kv_caches, strict=True):
             tensors.extend(weights)
-            tensors.extend(caches)
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or not (
-                t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
-            ):
-                raise ValueError(
-                    "hybrid step: every weight and cache must be a contiguous bf16 CPU tensor"
-                )
+            cache_tensors.extend(caches)
+        self.kv_int8 = all(is_int8_cache(t) for t in cache_tensors)
+        cache_dtype = torch.int8 if self.kv_int8 else torch.bfloat16
+        for group, want in ((tensors, torch.bfloat16), (cache_tensors, cache_dtype)):
+            for t in group:
+                if not isinstance(t, torch.Tensor) or not (
+                    t.dtype == want and t.device.type == "cpu" and t.is_contiguous()
+                ):
+                    raise ValueError(
+                        "hybrid step: every weight and cache must be a contiguous bf16 CPU "
+                        "tensor (caches: bf16 or all int8)"
+                    )
+        tensors.extend(cache_tensors)
         self.hidden = hidden = final_norm.shape[0]
         num_heads, num_kv_heads, head_dim = sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -125,10 +138,12 @@ class HybridStep:
             row = [0] * len(layout.slots)
             named = [
                 *zip(DecodeLayerWeights._fields, weights),
-                *zip(("k_cache", "v_cache"), caches),
+                *zip(KV_SLOTS, caches),
             ]
             for name, t in named:
                 want = shapes[name]
+                if name in KV_SLOTS and self.kv_int8:  # a row's D values and its scale
+                    want = (*want[:3], want[3] + INT8_SCALE_BYTES)
                 # a matmul's tile layout is flat: its [N, K] elements in the kernel's order
                 ok = (
                     t.numel() == math.prod(want) and t.dim() == 1
@@ -153,11 +168,25 @@ class HybridStep:
         # pages every iteration would cost more than the Python this step saves
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def _buffer(self, name: str, elems: int) -> torch.Tensor:
+    def _buffer(self, name: str, elems: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < elems:
-            buf = self._buffers[name] = torch.empty(elems, dtype=torch.bfloat16)
+            buf = self._buffers[name] = torch.empty(elems, dtype=dtype)
         return buf
+
+    def _dequant_buffers(self, chunk_k: Sequence[int]) -> tuple[int, int]:
+        """Int8 caches: pointers to the bf16 room for the longest chunk's context blocks
+        (K's, then V's) and to the block ids 0, 1, ... that the prefill kernel reads them
+        by; (0, 0) for bf16 caches or no chunk."""
+        if not self.kv_int8 or not chunk_k:
+            return 0, 0
+        longest = -(-max(chunk_k) // self.block_size)
+        rows = longest * self.block_size * self.num_kv_heads * self.head_dim
+        dequant = self._buffer("kv_dequant", 2 * rows)
+        identity = self._buffers.get("identity")
+        if identity is None or identity.numel() < longest:
+            identity = self._buffers["identity"] = torch.arange(longest, dtype=torch.int32)
+        return dequant.data_ptr(), identity.data_ptr()
 
     def run(
         self,
@@ -190,6 +219,7 @@ class HybridStep:
         work = self._buffer("work", work_elems)
         scratch = self._buffer("scratch", max(scratch_elems, 1))
         q_lens = (ctypes.c_int32 * num_seqs)(*meta.q_lens)
+        dequant, identity = self._dequant_buffers(chunk_k)
         out = torch.empty((t, self.hidden), dtype=torch.bfloat16)
         rc = self._fn(
             self._table,
@@ -218,6 +248,9 @@ class HybridStep:
             self.eps,
             self.scale,
             scratch.data_ptr(),
+            int(self.kv_int8),
+            dequant,
+            identity,
         )
         if rc == -2:
             raise IndexError(

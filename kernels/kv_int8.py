@@ -72,14 +72,17 @@ def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Kernels:
-    """The int8 write of the native library, with its signature (the int8 decode is
-    `cpu_attention_kernels.paged_decode_attention`'s for int8 caches)."""
+    """The int8 write and block dequantization of the native library, with their
+    signatures (the int8 decode is `cpu_attention_kernels.paged_decode_attention`'s)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
         self.write = lib.write_kv_cache_int8
         self.write.argtypes = [p, n, p, n, p, p, p, n, i, i, i, n]
         self.write.restype = i
+        self.dequantize_blocks = lib.dequantize_kv_blocks_int8_bf16
+        self.dequantize_blocks.argtypes = [p, p, n, i, i, i, n, p]
+        self.dequantize_blocks.restype = i
 
 
 _kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on first use
@@ -138,5 +141,46 @@ def write_kv_int8_native(
         raise IndexError(
             f"KV cache slot out of range: a slot in slot_mapping is outside the cache's "
             f"{num_slots} slots"
+        )
+    return rc == 0
+
+
+def dequantize_kv_blocks_native(
+    cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """cache[blocks] of an int8 cache [num_blocks, block_size, Hkv, D + 4] dequantized in C
+    into out, bf16 [len(blocks), block_size, Hkv, D]: the bits `dequantize_kv_rows(...,
+    torch.bfloat16)` gives. False (nothing written) where the kernel does not apply;
+    IndexError for a block id outside the cache (nothing written)."""
+    kernels = _get()
+    if (
+        kernels is None
+        or cache.device.type != "cpu"
+        or not is_int8_cache(cache)
+        or cache.dim() != 4
+        or not cache.is_contiguous()
+        or blocks.dtype != torch.int32
+        or blocks.dim() != 1
+        or not blocks.is_contiguous()
+        or out.dtype != torch.bfloat16
+        or not out.is_contiguous()
+        or tuple(out.shape)
+        != (blocks.numel(), *cache.shape[1:3], cache.shape[3] - INT8_SCALE_BYTES)
+    ):
+        return False
+    num_blocks, block_size, hkv, row = cache.shape
+    rc = kernels.dequantize_blocks(
+        cache.data_ptr(),
+        blocks.data_ptr(),
+        blocks.numel(),
+        block_size,
+        hkv,
+        row - INT8_SCALE_BYTES,
+        num_blocks,
+        out.data_ptr(),
+    )
+    if rc == -2:
+        raise IndexError(
+            f"KV cache block out of range: a block id is outside the cache's {num_blocks}"
         )
     return rc == 0

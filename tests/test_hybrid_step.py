@@ -95,17 +95,22 @@ def _run(model: LlamaForCausalLM, caches: list) -> list[torch.Tensor]:
     return outs
 
 
-def _caches() -> list:
-    return allocate_kv_cache(tiny_config(), NUM_BLOCKS, BLOCK, torch.bfloat16, "cpu")
+def _caches(kv_cache_dtype: str = "auto") -> list:
+    return allocate_kv_cache(
+        tiny_config(), NUM_BLOCKS, BLOCK, torch.bfloat16, "cpu", kv_cache_dtype=kv_cache_dtype
+    )
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("backend", [CpuPagedAttention, NoFusedDecode])
 def test_hybrid_iterations_are_bitwise_the_per_op_path(
-    backend: type[CpuPagedAttention], monkeypatch: pytest.MonkeyPatch
+    backend: type[CpuPagedAttention], kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """bf16 caches, and int8 ones (written and read by the int8 kernels, each chunk's
+    context dequantized for the prefill kernel): the same hidden states and cache bytes."""
     one_call = _model(backend())
     per_op = _model(PerOpCpuAttention())
-    caches_a, caches_b = _caches(), _caches()
+    caches_a, caches_b = _caches(kv_cache_dtype), _caches(kv_cache_dtype)
     rows: list[int] = []
     real_run = HybridStep.run
 
@@ -162,6 +167,8 @@ def test_declines_what_it_does_not_cover() -> None:
     assert unpacked.hybrid_step(caches) is None
     f32 = _model(CpuPagedAttention(), dtype=torch.float32)
     assert f32.hybrid_step(allocate_kv_cache(tiny_config(), 4, BLOCK, torch.float32, "cpu")) is None
-    # int8 caches: the per-op path dequantizes, so no step
+    # caches partly int8: no step (all int8 take it: the bitwise test above)
     int8 = allocate_kv_cache(tiny_config(), 4, BLOCK, torch.bfloat16, "cpu", kv_cache_dtype="int8")
-    assert model.hybrid_step(int8) is None
+    bf16 = allocate_kv_cache(tiny_config(), 4, BLOCK, torch.bfloat16, "cpu")
+    assert model.hybrid_step(int8[:1] + bf16[1:]) is None
+    assert model.hybrid_step(int8) is not None

@@ -14,6 +14,7 @@ from sarazmq.config import CacheConfig, EngineConfig
 from sarazmq.kernels import CpuPagedAttention, TorchPagedAttention, select_attention_backend
 from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available, paged_decode_attention
 from sarazmq.kernels.kv_int8 import (
+    dequantize_kv_blocks_native,
     dequantize_kv_rows,
     kv_cache_layout,
     quantize_kv_rows,
@@ -66,6 +67,27 @@ def test_native_write_is_bitwise_the_reference(dtype: torch.dtype) -> None:
     assert torch.equal(k_cache, before)
     # not int8 rows of this head size: not this kernel's (the caller's path runs)
     assert not write_kv_int8_native(k, v, k_cache[..., :66], v_cache[..., :66], slots)
+
+
+@needs_native
+def test_native_block_dequantization_is_bitwise_the_reference() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, 16, 3, 64, generator=g) * torch.tensor([0.02, 1.0, 40.0])[:, None]
+    x[4, 7, 2] = 0.0  # an all-zero row
+    cache = quantize_kv_rows(x)  # [12 blocks, 16, 3, 68]
+    blocks = torch.tensor([9, 0, 4, 4, 11], dtype=torch.int32)  # any order, repeats
+    out = torch.full((5, 16, 3, 64), 7.0, dtype=BF)
+    assert dequantize_kv_blocks_native(cache, blocks, out)
+    assert torch.equal(out, dequantize_kv_rows(cache[blocks.long()], BF))
+    # a block id outside the cache: IndexError, nothing written
+    before = out.clone()
+    with pytest.raises(IndexError, match="outside the cache's 12"):
+        dequantize_kv_blocks_native(cache, torch.tensor([1, 12], dtype=torch.int32), out[:2])
+    assert torch.equal(out, before)
+    # what it does not take: the caller's torch path runs
+    assert not dequantize_kv_blocks_native(cache, blocks.long(), out)
+    assert not dequantize_kv_blocks_native(cache, blocks, out.float())
+    assert not dequantize_kv_blocks_native(cache, blocks[:4], out)
 
 
 def _int8_scenario(

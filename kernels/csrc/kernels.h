@@ -207,18 +207,25 @@ int decode_step_bf16(const void *const *layers, const int32_t *formats, int num_
 
 /* hybrid_step.c: a bf16 hybrid iteration (decodes first, then prefill chunks) through
  * every layer and the final norm, matmuls on AMX tiles (decode_step's slot table, each
- * matmul slot a linear_amx_pack'ed weight); work: decode_step_work_elems(T, ...) */
+ * matmul slot a linear_amx_pack'ed weight); work: decode_step_work_elems(T, ...).
+ * kv_int8: the caches hold kv_int8.c's rows (AVX-512 builds, D 64 or 128); kv_dequant then
+ * holds two bf16 copies of the longest chunk's context blocks and identity [0, 1, ...]
+ * as many block ids (both unused otherwise) */
 int hybrid_step_bf16(const void *const *layers, int num_layers, const uint16_t *final_norm,
                      const uint16_t *x_in, uint16_t *out, uint16_t *work, const uint16_t *cos,
                      const uint16_t *sin_signed, const int64_t *slots, const int32_t *tables,
                      long table_stride, const int32_t *q_lens, const int32_t *k_lens,
                      int num_seqs, int num_decodes, int T, int hidden, int H, int Hkv, int D,
                      int inter, int block_size, long num_blocks, float eps, float scale,
-                     uint16_t *scratch);
+                     uint16_t *scratch, int kv_int8, uint16_t *kv_dequant,
+                     const int32_t *identity);
 
 /* kv_int8.c */
 int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stride,
                         int8_t *k_cache, int8_t *v_cache, const int64_t *slots, long num_tokens,
                         int Hkv, int D, int is_bf16, long num_slots);
+int dequantize_kv_blocks_int8_bf16(const int8_t *cache, const int32_t *blocks, long n,
+                                   int block_size, int Hkv, int D, long num_blocks,
+                                   uint16_t *out);
 
 #endif

@@ -48,3 +48,27 @@ int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stri
     }
     return 0;
 }
+
+/* Reads blocks[0 .. n) of an int8 cache ([num_blocks, block_size, Hkv, D + 4]) as bf16
+ * blocks out [n, block_size, Hkv, D], each value to_bf(q * s): the bits of the torch
+ * reference `dequantize_kv_rows(rows, torch.bfloat16)` (a float32 product rounded to
+ * nearest even). A prefill chunk's context, for the bf16 prefill kernel. Returns 0; -1 for
+ * D beyond 512; -2 (nothing written) for a block id outside the cache. */
+int dequantize_kv_blocks_int8_bf16(const int8_t *cache, const int32_t *blocks, long n,
+                                   int block_size, int Hkv, int D, long num_blocks,
+                                   uint16_t *out) {
+    if (D < 1 || D > 512) return -1;
+    for (long b = 0; b < n; b++)
+        if (blocks[b] < 0 || blocks[b] >= num_blocks) return -2;
+    const long rows_per_block = (long)block_size * Hkv, row = (long)D + 4;
+#pragma omp parallel for schedule(static) if (n * rows_per_block >= 256)
+    for (long r = 0; r < n * rows_per_block; r++) {
+        const long b = r / rows_per_block, within = r % rows_per_block;
+        const int8_t *src = cache + ((long)blocks[b] * rows_per_block + within) * row;
+        float s;
+        memcpy(&s, src + D, sizeof s);
+        uint16_t *dst = out + r * D;
+        for (int d = 0; d < D; d++) dst[d] = to_bf((float)src[d] * s);
+    }
+    return 0;
+}
