@@ -10,9 +10,10 @@ Layout: the cache tensors are int8 [num_blocks, block_size, Hkv, D + 4]: a row i
 token's one KV head, D int8 values q then the float32 scale s (its 4 bytes), x ~= s * q.
 Symmetric per row: s = max|x| / 127, q = round-half-even(x * (127 / max|x|)).
 `quantize_kv_rows` / `dequantize_kv_rows` are the plain PyTorch reference and the torch
-backend's path; kernels/csrc/kv_int8.c writes the same bytes, and the decode attention
-kernel (kernels/csrc/cpu_attention.c, `paged_decode_attention` for int8 caches) reads
-the rows directly.
+backend's path; kernels/csrc/kv_int8.c writes the same bytes and dequantizes a prefill
+chunk's context blocks to the same bf16 bits, and the decode attention kernel
+(kernels/csrc/cpu_attention.c, `paged_decode_attention` for int8 caches) reads the rows
+directly.
 """
 
 from __future__ import annotations
