@@ -168,10 +168,10 @@ class HybridStep:
         # pages every iteration would cost more than the Python this step saves
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def _buffer(self, name: str, elems: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def _buffer(self, name: str, elems: int) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < elems:
-            buf = self._buffers[name] = torch.empty(elems, dtype=dtype)
+            buf = self._buffers[name] = torch.empty(elems, dtype=torch.bfloat16)
         return buf
 
     def _dequant_buffers(self, chunk_k: Sequence[int]) -> tuple[int, int]:
