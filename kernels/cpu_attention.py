@@ -179,15 +179,17 @@ class CpuPagedAttention(TorchPagedAttention):
     def _dequantized(
         self, which: str, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """An int8 cache's blocks `table` (int32) in `dtype`: in C into the reusable buffer
-        `which` + "_dq" for bf16, else torch's `_gather` (a new tensor)."""
+        """An int8 cache's blocks `table` (int32) in `dtype`: for bf16 in C into the reusable
+        bf16 buffer `which` (the scratch buffers are in the cache's dtype), else torch's
+        `_gather` (a new tensor)."""
         n, (_, block_size, hkv, row) = table.numel(), cache.shape
         if dtype == torch.bfloat16:
             shape = (n, block_size, hkv, row - INT8_SCALE_BYTES)
+            elems = math.prod(shape)
             buf = self._dequant_buffers.get(which)
-            if buf is None or buf.numel() < math.prod(shape):
-                buf = self._dequant_buffers[which] = torch.empty(math.prod(shape), dtype=dtype)
-            out = buf[: math.prod(shape)].view(shape)
+            if buf is None or buf.numel() < elems:
+                buf = self._dequant_buffers[which] = torch.empty(elems, dtype=dtype)
+            out = buf[:elems].view(shape)
             if dequantize_kv_blocks_native(cache, table.contiguous(), out):
                 return out
         return self._gather(which, cache, table.to(torch.long), dtype)

@@ -8,9 +8,9 @@ apart from the iteration (`scheduler`) because a co-located instance never calls
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from sarazmq.protocol.common import FINISH_ERROR, FINISH_LENGTH, FinishReason
+from sarazmq.protocol.common import FINISH_ERROR, FINISH_LENGTH
 from sarazmq.protocol.worker import BatchPlan, KVPull
 from sarazmq.sampling_params import SamplingParams
 from sarazmq.scheduler.request import Request, RequestStatus
@@ -30,19 +30,9 @@ class DisaggregationMixin:
     _calibration_seq_ids: set[int]
     _watermark_blocks: int
 
-    if TYPE_CHECKING:
-
-        def add_request(
-            self,
-            request_id: str,
-            prompt_token_ids: list[int],
-            params: SamplingParams,
-            arrival_time: float | None = None,
-        ) -> None: ...
-
-        def _finish(
-            self, req: Request, reason: FinishReason, remove_from_running: bool = True
-        ) -> None: ...
+    # the scheduler's own calls (`Scheduler.add_request`, `Scheduler._finish`)
+    add_request: Callable[..., None]
+    _finish: Callable[..., None]
 
     def add_prefilled_request(
         self,
