@@ -8,11 +8,18 @@ callers keep the torch path; nothing is built at import time.
 
 Build cache: $SARAZMQ_CACHE/native (default ~/.cache/sarazmq/native). Set
 SARAZMQ_NATIVE=0 to never build or load them.
+
+SARAZMQ_CPU_ISA caps the instruction set the kernels are built for and the engine's CPU
+feature checks see: "native" (default, everything this CPU has), "avx512" (no AMX) or
+"avx2" (x86-64-v3: AVX2 + FMA, no AVX-512, no VNNI). A capped build runs the AVX2 (or
+AVX-512 without AMX) kernels on a bigger CPU, so they are tested and measured on any
+machine; scripts/cpu_isa.sh also caps torch's own kernels to match.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -20,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -27,7 +35,6 @@ log = logging.getLogger(__name__)
 _SRC_DIR = Path(__file__).parent / "csrc"
 _FLAGS = (
     "-O3",
-    "-march=native",
     "-mprefer-vector-width=512",
     "-fopenmp",
     "-fno-math-errno",
@@ -36,6 +43,24 @@ _FLAGS = (
     "-shared",
     "-fPIC",
 )
+CPU_ISA_ENV = "SARAZMQ_CPU_ISA"
+#: The instruction-set caps: the -march flags each builds with.
+CPU_ISA_MARCH: dict[str, tuple[str, ...]] = {
+    "native": ("-march=native",),
+    "avx512": ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"),
+    "avx2": ("-march=x86-64-v3",),
+}
+# /proc/cpuinfo flags a cap hides (by prefix), and the ones it needs the CPU to have
+_HIDDEN_FLAG_PREFIXES: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx512": ("amx",),
+    "avx2": ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"),
+}
+_REQUIRED_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx512": ("avx512f",),
+    "avx2": ("avx2", "fma", "bmi2", "f16c", "movbe"),
+}
 LIBRARY_NAME = "cpu_kernels"
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []  # [the library or None] once load_library ran
@@ -55,6 +80,7 @@ def _compiler() -> str | None:
     return None
 
 
+@functools.cache
 def _cpu_signature() -> str:
     # -march=native code must not be reused on a different CPU (shared home folders)
     try:
@@ -67,9 +93,44 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
+class CpuIsaError(ValueError):
+    """SARAZMQ_CPU_ISA names no cap, or one this CPU cannot run."""
+
+
+def check_cpu_isa_cap(cap: str, cpu_flags: Iterable[str]) -> str:
+    """`cap` normalized ("" is "native"); CpuIsaError for an unknown cap or one above what
+    a CPU with `cpu_flags` has (code built for it would fault there)."""
+    cap = cap.strip().lower() or "native"
+    if cap not in CPU_ISA_MARCH:
+        raise CpuIsaError(
+            f"{CPU_ISA_ENV}={cap!r} is not an instruction-set cap; expected one of "
+            + ", ".join(CPU_ISA_MARCH)
+        )
+    have = set(cpu_flags)
+    missing = [f for f in _REQUIRED_FLAGS[cap] if f not in have]
+    if missing:
+        raise CpuIsaError(
+            f"{CPU_ISA_ENV}={cap} needs a CPU with {', '.join(missing)}, which this one lacks"
+        )
+    return cap
+
+
+def visible_cpu_flags(cpu_flags: Iterable[str], cap: str) -> frozenset[str]:
+    """The flags among `cpu_flags` that code built under `cap` may use."""
+    hidden = _HIDDEN_FLAG_PREFIXES[cap]
+    return frozenset(f for f in cpu_flags if not f.startswith(hidden))
+
+
+def cpu_isa_cap() -> str:
+    """The instruction-set cap SARAZMQ_CPU_ISA asks for ("native" when unset); CpuIsaError
+    for an unknown value or a cap above what this CPU has."""
+    return check_cpu_isa_cap(os.environ.get(CPU_ISA_ENV, ""), _cpu_signature().split())
+
+
 def cpu_has_flag(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists `flag` (e.g. "amx_bf16") for this CPU; False elsewhere."""
-    return flag in _cpu_signature().split()
+    """Whether /proc/cpuinfo lists `flag` (e.g. "amx_bf16") for this CPU and the
+    SARAZMQ_CPU_ISA cap leaves it visible; False elsewhere."""
+    return flag in visible_cpu_flags(_cpu_signature().split(), cpu_isa_cap())
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -98,7 +159,8 @@ def _build_and_load() -> ctypes.CDLL | None:
         if path.suffix in (".c", ".h"):
             key.update(path.name.encode())
             key.update(path.read_bytes())
-    key.update(" ".join((cc, *_FLAGS)).encode())
+    flags = (*CPU_ISA_MARCH[cpu_isa_cap()], *_FLAGS)
+    key.update(" ".join((cc, *flags)).encode())
     key.update(_cpu_signature().encode())
     out_dir = _cache_dir()
     target = out_dir / f"{LIBRARY_NAME}-{key.hexdigest()[:16]}.so"
@@ -110,7 +172,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         os.close(fd)
         try:
             subprocess.run(
-                [cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"],
+                [cc, *flags, "-o", tmp, *map(str, sources), "-lm"],
                 check=True,
                 capture_output=True,
                 timeout=300,

@@ -9,7 +9,7 @@ import torch
 
 from sarazmq.config import EngineConfig, ModelConfig
 from sarazmq.kernels.int8_dot import int8_dot_avx2, int8_dot_vnni
-from sarazmq.kernels.native import cpu_has_flag
+from sarazmq.kernels.native import cpu_has_flag, cpu_isa_cap
 from sarazmq.model.kv_cache import check_pipeline_parallel, kv_cache_bytes_per_block, stage_layers
 from sarazmq.model.loader import load_model_config, resolve_model
 
@@ -81,8 +81,8 @@ def resolve_gguf_matmul(mode: str, model_kind: str, device: str, dtype: str) -> 
 
 
 def describe_dtype(requested: EngineConfig, resolved: EngineConfig) -> str:
-    """The startup line's part on numerics: the dtype in use and why, and the GGUF
-    matmuls where they are int8."""
+    """The startup line's part on numerics: the dtype in use and why, the GGUF matmuls
+    where they are int8, and the CPU instruction-set cap where one is set."""
     out = describe_dtype_choice(requested.dtype, resolved.dtype)
     if resolved.gguf_matmul == "int8":
         why = (
@@ -91,6 +91,8 @@ def describe_dtype(requested: EngineConfig, resolved: EngineConfig) -> str:
             else ""
         )
         out += f", GGUF matmuls int8{why}"
+    if resolved.device == "cpu" and (cap := cpu_isa_cap()) != "native":
+        out += f", CPU kernels capped at {cap} (SARAZMQ_CPU_ISA)"
     return out
 
 
@@ -115,6 +117,8 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
     pp = config.pipeline_parallel_size
     check_pipeline_parallel(model_config.num_layers, pp)
     device = resolve_device(config.device)
+    if device == "cpu":
+        cpu_isa_cap()  # a bad SARAZMQ_CPU_ISA fails here, before any process starts
 
     dtype = resolve_dtype(config.dtype, device)
 
