@@ -23,6 +23,10 @@
 #   cmake -B build-noamx -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX512=ON \
 #     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
 #     -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+# AVX2 only (the peer for `scripts/cpu_isa.sh avx2` runs, docs/PERF_RESULT.md, 2026-12-06):
+#   cmake -B build-avx2 -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON \
+#     -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF \
+#     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
 # SERVERS="sarazmq vllm llamacpp" picks which run.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
