@@ -13,7 +13,9 @@ fi
 cap="$1"
 shift
 case "$cap" in
-  native) ;;
+  native)  # lifts a cap the environment already had
+    unset SARAZMQ_CPU_ISA ONEDNN_MAX_CPU_ISA MKL_ENABLE_INSTRUCTIONS ATEN_CPU_CAPABILITY
+    ;;
   avx512)
     # our kernels (kernels/native.py), oneDNN (bf16/f32 matmuls), MKL (f32 GEMM)
     export SARAZMQ_CPU_ISA=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16

@@ -22,13 +22,8 @@ from sarazmq.kernels.native import (
 SAPPHIRE_RAPIDS = "fpu sse2 avx avx2 fma bmi2 f16c movbe avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16 avx_vnni".split()  # noqa: E501
 ZEN3 = "fpu sse2 avx avx2 fma bmi2 f16c movbe".split()
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-# torch's own kernels capped as scripts/cpu_isa.sh does
-AVX2_ENV = {
-    CPU_ISA_ENV: "avx2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-    "ATEN_CPU_CAPABILITY": "avx2",
-}
+# caps ours and torch's kernels alike
+CPU_ISA_SH = os.path.join(os.path.dirname(TESTS_DIR), "scripts", "cpu_isa.sh")
 
 
 def test_caps_hide_the_flags_above_them() -> None:
@@ -96,16 +91,26 @@ print("aten", torch.backends.cpu.get_cpu_capability())
     reason="the CPU has no AVX-512: the whole suite runs the AVX2 paths already",
 )
 def test_avx2_kernels_under_the_cap_match_their_references() -> None:
-    env = dict(os.environ, **AVX2_ENV, PYTHONSAFEPATH="1")
-    probe = subprocess.run(
-        [sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True
-    )
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    env.pop(CPU_ISA_ENV, None)
+    capped = ["bash", CPU_ISA_SH, "avx2", sys.executable]
+    probe = subprocess.run(capped + ["-c", _AVX2_CHECK], env=env, capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr[-3000:]
     # x86-64-v3 has no VNNI: the int8 panels take VPMADDUBSW, and auto picks them
     assert "flags True False False" in probe.stdout
     assert "int8 True False" in probe.stdout
     assert "auto int8" in probe.stdout
-    assert "aten AVX2" in probe.stdout
+    assert "aten AVX2" in probe.stdout  # torch capped by the script too
+    # "native" lifts a cap the environment already had
+    env[CPU_ISA_ENV] = "avx2"
+    lifted = subprocess.run(
+        ["bash", CPU_ISA_SH, "native", sys.executable, "-c", _AVX2_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert "flags True True" in lifted.stdout, lifted.stderr[-2000:]
+    del env[CPU_ISA_ENV]
     files = [
         "test_int8_dot.py",
         "test_int8_panels.py",
@@ -115,7 +120,8 @@ def test_avx2_kernels_under_the_cap_match_their_references() -> None:
         "test_int8_dot_model.py",  # the real model on the VPMADDUBSW panels, against float
     ]
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
+        capped
+        + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
         + [os.path.join(TESTS_DIR, f) for f in files],
         env=env,
         capture_output=True,
