@@ -66,10 +66,13 @@ class _Kernels:
         self.probe.argtypes = [_L, _I]
         self.probe.restype = _L
         self.panels: ctypes._CFuncPtr | None = None
+        self.panel_bits = 0
         if hasattr(lib, "int8_panels_matmul"):
             self.panels = lib.int8_panels_matmul
             self.panels.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _L, _I, _I, _I]
             self.panels.restype = _I
+            lib.int8_panels_vector_bits.restype = _I
+            self.panel_bits = int(lib.int8_panels_vector_bits())
 
 
 _kernels: list[_Kernels] = []
@@ -96,10 +99,17 @@ def int8_dot_vnni() -> bool:
     return _get().vnni
 
 
+def int8_panels_vector_bits() -> int:
+    """The panel kernel's vector width: 512 (VPDPBUSD on zmm, AVX512-VNNI builds), 256
+    (AVX2's VPMADDUBSW or AVX-VNNI's VPDPBUSD), 0 (only the portable loop)."""
+    return _get().panel_bits
+
+
 def probe_peak_macs(int8: bool, iters: int = 2_000_000) -> float:
     """Multiply-accumulates per second of the C peak probe on every OpenMP thread, best of
     3: int8 = True, chains of VPMADDUBSW summed in int16 (AVX2's int8 dot-accumulate), or
-    of VPDPBUSD where the build has it (`int8_dot_vnni`): the limit of the panel kernels;
+    of VPDPBUSD where the build has it (`int8_dot_vnni`), on the panels' vector width
+    (`int8_panels_vector_bits`): the limit of the panel kernels;
     False, chains of 256-bit float32 FMAs. 0.0 without the AVX2 build."""
     kernels = _get()
     if kernels.probe is None or not kernels.avx2:
@@ -233,18 +243,19 @@ def int8_block_linear(
     return out if rc == 0 else None
 
 
-PANEL_COLUMNS = 8  # output columns interleaved in one panel (int8_panels.c)
+PANEL_COLUMNS = 16  # output columns interleaved in one panel (int8_panels.c)
 
 
 @dataclass(frozen=True)
 class Int8Panels:
-    """A Q4 or Q8 weight [N, K] repacked for `int8_panels.c`: columns in groups of 8
+    """A Q4 or Q8 weight [N, K] repacked for `int8_panels.c`: columns in panels of 16
     interleaved, one byte a weight (twice the Q4 blocks' bytes, the Q8 blocks' own).
 
-    qs uint8 [G, K/32, 8, 8, 4] (G = ceil(N / 8)): per group and block, run r holds each
-    of the 8 columns' weights 4r .. 4r+3 (column c at bytes 4c .. 4c+3 of the run; padding
-    columns 0): Q4 values 0..15, or Q8 values + 128; scales float32 [G, K/32, 2, 8]: the 8
-    columns' block scales d, then their minimums m (Q8: -128 d, which takes the offset
+    qs uint8 [P, K/32, 8, 16, 4] (P = ceil(N / 16)): per panel and block, run r holds each
+    of the 16 columns' weights 4r .. 4r+3 (column c at bytes 4c .. 4c+3 of the run; padding
+    columns 0): one 512-bit vector, or two 256-bit halves of 8 columns. Q4 values 0..15, or
+    Q8 values + 128; scales float32 [P, K/32, 2, 16]: the 16 columns' block scales d, then
+    their minimums m (Q8: -128 d, which takes the offset
     back out through the activations' block sums). shape: the weight's (N, K); kind: "q4"
     or "q8".
     """
@@ -288,9 +299,9 @@ def pack_int8_panels(weight: BlockQuantWeight) -> Int8Panels:
     if pad:
         q = torch.cat([q, q.new_zeros(pad, kb, BLOCK)])
         scales = torch.cat([scales, scales.new_zeros(pad, kb, 2)])
-    # [G, 8 cols, KB, 8 runs, 4] -> [G, KB, 8 runs, 8 cols, 4]
+    # [P, 16 cols, KB, 8 runs, 4] -> [P, KB, 8 runs, 16 cols, 4]
     qs = q.view(groups, PANEL_COLUMNS, kb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-    # [G, 8 cols, KB, 2] -> [G, KB, 2, 8 cols]
+    # [P, 16 cols, KB, 2] -> [P, KB, 2, 16 cols]
     sc = scales.view(groups, PANEL_COLUMNS, kb, 2).permute(0, 2, 3, 1).contiguous()
     return Int8Panels(qs, sc, (n, k), weight.kind)
 
@@ -299,7 +310,7 @@ def int8_panels_linear(
     x: torch.Tensor, panels: Int8Panels, *, portable: bool = False
 ) -> torch.Tensor | None:
     """`int8_block_linear` on the weight's panels (`pack_int8_panels`): the same math (the
-    same result up to float32 summation order), computed 8 columns a vector. None where
+    same result up to float32 summation order), computed 8 or 16 columns a vector. None where
     the library is not built. Raises ValueError as `int8_block_linear` does, and for Q8
     panels where the vector kernel cannot take them (`int8_panels_take`) unless
     `portable`."""

@@ -15,7 +15,7 @@ A matmul weight [out_features, in_features] of the model can be held four ways:
   plain kernel's result from a fraction of the bytes; with `int8_blocks` set, every row
   reads them by int8 dot products instead (`sarazmq.kernels.int8_dot`, llama.cpp's
   precision);
-- int8_panels: with `int8_blocks` set, the same weights repacked in panels of 8
+- int8_panels: with `int8_blocks` set, the same weights repacked in panels of 16
   interleaved columns (`sarazmq.kernels.int8_dot.Int8Panels`, one byte a weight; Q4
   blocks, and Q8 ones on VPDPBUSD builds), which the per-op rows read, and the fused
   decode step for Q4 ones.

@@ -8,14 +8,14 @@ gate_up 576 -> 3072, down 1536 -> 576) and M rows, prints the milliseconds of
   takes up to 64 rows);
 - int8: the int8 kernel on the blocks' own layout (int8_dot.c), activation quantization
   included (q: the quantizer alone);
-- panel: the int8 kernel on panels of 8 interleaved columns (int8_panels.c, what the
+- panel: the int8 kernel on panels of 16 interleaved columns (int8_panels.c, what the
   model uses for Q4 weights, and for Q8 ones where VPDPBUSD is built), quantization
   included;
 
 with the faster int8 path's GOP/s (2 M N K / time), each int8 path's speed over f32
 (f32 ms / its ms), and the faster one's fraction of the int8 limit (the peak probe: tight
-chains of VPMADDUBSW summed by VPADDW, or of VPDPBUSD on VNNI CPUs, 32 int8 MACs each, no
-per-block scaling) beside f32's fraction of the float32 FMA probe (a tight 256-bit
+chains of VPMADDUBSW summed by VPADDW, or of VPDPBUSD on VNNI CPUs, on the panels' vector
+width, 32 or 64 int8 MACs each, no per-block scaling) beside f32's fraction of the float32 FMA probe (a tight 256-bit
 VFMADD231PS loop: torch's AVX-512 GEMMs can pass 1.0 of it).
 
     OMP_NUM_THREADS=1 python scripts/bench_int8_dot.py --threads 1
@@ -37,6 +37,7 @@ from sarazmq.kernels.int8_dot import (
     int8_dot_vnni,
     int8_panels_linear,
     int8_panels_take,
+    int8_panels_vector_bits,
     pack_int8_panels,
     probe_peak_macs,
     quantize_activations,
@@ -82,7 +83,7 @@ def main() -> None:
     int8_peak, f32_peak = probe_peak_macs(True), probe_peak_macs(False)
     print(
         f"threads {args.threads}, weights {args.kind}, AVX2 int8 kernel {int8_dot_avx2()} "
-        f"(VPDPBUSD {int8_dot_vnni()}); "
+        f"(VPDPBUSD {int8_dot_vnni()}, panels {int8_panels_vector_bits()}-bit); "
         f"int8 probe {2 * int8_peak / 1e9:,.0f} GOP/s, f32 FMA probe "
         f"{2 * f32_peak / 1e9:,.0f} GFLOP/s"
     )

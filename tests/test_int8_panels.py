@@ -1,4 +1,4 @@
-"""int8 matmuls on Q4 and Q8 weights in panels of 8 interleaved columns
+"""int8 matmuls on Q4 and Q8 weights in panels of 16 interleaved columns
 (kernels/csrc/int8_panels.c, sarazmq.kernels.int8_dot.pack_int8_panels /
 int8_panels_linear): the packing holds the blocks' weights and scales exactly, the kernel
 (vector and portable loops) matches the exact-integer reference to float32 rounding at
@@ -25,11 +25,14 @@ from sarazmq.kernels.int8_dot import (
     Int8Panels,
     int8_block_linear_reference,
     int8_dot_available,
+    int8_dot_avx2,
     int8_panels_linear,
     int8_panels_take,
+    int8_panels_vector_bits,
     pack_int8_panels,
 )
 from sarazmq.kernels.linear_weight import LinearWeight
+from sarazmq.kernels.native import cpu_has_flag
 
 torch.set_num_threads(1)
 
@@ -79,6 +82,17 @@ def test_q8_packing_offsets_the_values_and_moves_them_back_through_m(n: int) -> 
     assert torch.equal(d, weight.scales) and torch.equal(m, weight.scales * -128.0)
 
 
+def test_vector_width_follows_the_cpu() -> None:
+    """512-bit VPDPBUSD panels wherever the CPU (or its SARAZMQ_CPU_ISA cap) has
+    AVX512-VNNI, 256-bit ones on other AVX2 CPUs."""
+    if not int8_dot_avx2():
+        assert int8_panels_vector_bits() == 0
+    elif all(cpu_has_flag(f) for f in ("avx512f", "avx512bw", "avx512_vnni")):
+        assert int8_panels_vector_bits() == 512
+    else:
+        assert int8_panels_vector_bits() == 256
+
+
 def _runs(type_name: str, portable: bool) -> bool:
     return portable or int8_panels_take("q8" if type_name == "Q8_0" else "q4")
 
@@ -86,7 +100,9 @@ def _runs(type_name: str, portable: bool) -> bool:
 @pytest.mark.parametrize("portable", PORTABLE)
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 37, 64), (2, 8, 32), (3, 64, 96), (5, 33, 576), (70, 50, 160)]
+    ("m", "n", "k"),
+    # partial tiles of rows and panels, a partial last panel, several OpenMP spans (300)
+    [(1, 37, 64), (2, 8, 32), (3, 64, 96), (5, 33, 576), (70, 50, 160), (6, 300, 64)],
 )
 def test_kernel_matches_reference(portable: bool, type_name: str, m: int, n: int, k: int) -> None:
     weight = _weight(n, k, type_name, seed=m + n + k)

@@ -290,13 +290,32 @@ int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *
 /* Peak probes for scripts/bench_int8_dot.py and bench_engine.py --int8: `iters` rounds of
  * independent accumulator chains per thread (OpenMP). int8 = 1: 10 VPMADDUBSW a round, 32
  * int8 MACs each, summed in int16 by VPADDW (int8_panels.c's inner loop, the fastest AVX2
- * int8 dot-accumulate: VPMADDUBSW's throughput is the limit), or 8 VPDPBUSD where the
- * build has it (INT8_DPBUSD, as the panels then use); int8 = 0: 10 chains of
+ * int8 dot-accumulate: VPMADDUBSW's throughput is the limit), or 10 VPDPBUSD where the
+ * build has it, on the panels' vector width (512-bit where INT8_DPBUSD512: 64 MACs each;
+ * else INT8_DPBUSD, 256-bit); int8 = 0: 10 chains of
  * VFMADD231PS (8 float32 MACs each). Returns the MACs done (all threads); the caller times
  * the call. 0 in builds without AVX2. */
 #if defined(INT8_DOT_AVX2)
 #define PROBE_BAR(v) __asm__ volatile("" : "+x"(v)) /* opaque: nothing hoisted */
 #define PROBE_CHAINS 10
+#if defined(INT8_DPBUSD512)
+#define PROBE_INT8_MACS 64
+#define PROBE_INT8_CHAINS 16 /* latency x issue rate, with slack for the loop barrier */
+static __attribute__((noinline)) int probe_int8(long iters, int seed) {
+    const __m512i w = _mm512_set1_epi8(7);
+    __m512i x = _mm512_set1_epi8((char)seed);
+    __m512i a[PROBE_INT8_CHAINS];
+    for (int c = 0; c < PROBE_INT8_CHAINS; c++) a[c] = _mm512_setzero_si512();
+    for (long it = 0; it < iters; it++) {
+        __asm__ volatile("" : "+v"(x));
+        for (int c = 0; c < PROBE_INT8_CHAINS; c++) a[c] = _mm512_dpbusd_epi32(a[c], w, x);
+    }
+    for (int c = 1; c < PROBE_INT8_CHAINS; c++) a[0] = _mm512_add_epi32(a[0], a[c]);
+    return _mm512_reduce_add_epi32(a[0]);
+}
+#else
+#define PROBE_INT8_MACS 32
+#define PROBE_INT8_CHAINS PROBE_CHAINS
 static __attribute__((noinline)) int probe_int8(long iters, int seed) {
     const __m256i w = _mm256_set1_epi8(7);
     __m256i x = _mm256_set1_epi8((char)seed);
@@ -317,6 +336,7 @@ static __attribute__((noinline)) int probe_int8(long iters, int seed) {
     for (int c = 1; c < PROBE_CHAINS; c++) a[0] = _mm256_add_epi32(a[0], a[c]);
     return _mm256_extract_epi32(a[0], 0);
 }
+#endif
 
 static __attribute__((noinline)) int probe_f32(long iters, int seed) {
     const __m256 m = _mm256_set1_ps(1.0000001f), c = _mm256_set1_ps(1e-7f);
@@ -343,7 +363,7 @@ long int8_peak_probe(long iters, int int8) {
     {
         if (int8) {
             sink = probe_int8(iters, 1);
-            macs += iters * PROBE_CHAINS * 32;
+            macs += iters * PROBE_INT8_CHAINS * PROBE_INT8_MACS;
         } else {
             sink = probe_f32(iters, 1);
             macs += iters * 10 * 8;

@@ -74,10 +74,19 @@ int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *
 #elif defined(__AVXVNNI__)
 #define INT8_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
+/* VPDPBUSD on 512-bit vectors (AVX512-VNNI): twice the 256-bit form's products per
+ * instruction at the same issue rate on cores with two 512-bit units; the panels and the
+ * probe use it where built */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INT8_DPBUSD512 1
+#endif
 
-/* int8_panels.c: the same math on weights repacked into panels of 8 interleaved columns
- * (wq uint8 [ceil(N/8), K/32, 8, 8, 4], scales float32 [ceil(N/8), K/32, 2, 8]: d, m);
- * weight_bits 4 (Q4 values) or 8 (Q8 values + 128: VPDPBUSD builds or portable only) */
+/* int8_panels.c: the same math on weights repacked into panels of 16 interleaved columns
+ * (wq uint8 [ceil(N/16), K/32, 8, 16, 4], scales float32 [ceil(N/16), K/32, 2, 16]: d, m);
+ * weight_bits 4 (Q4 values) or 8 (Q8 values + 128: VPDPBUSD builds or portable only).
+ * int8_panels_vector_bits: 512 (VPDPBUSD on zmm), 256 (AVX2 / AVX-VNNI) or 0 (portable
+ * C only). */
+int int8_panels_vector_bits(void);
 int int8_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M, int K,
                        const uint8_t *wq, const float *scales, float *y, long y_stride, int N,
                        int weight_bits, int portable);
