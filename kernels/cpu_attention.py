@@ -11,10 +11,9 @@ beats SDPA's CPU kernel (its bf16 matmuls on the tiles too, but the chunk and it
 as two calls merged by log-sum-exp); on CPUs with only AVX512-BF16 VDPBF16PS dot
 products, faster than SDPA there (which computes bf16 in float32). Where AMX is present
 but the kernel cannot use it, SDPA stays (it beats the VDPBF16PS kernel on AMX CPUs).
-float32 chunks run natively on CPUs with AVX2 and no AVX-512 (prefill_attention_avx2.c:
-SDPA's CPU kernel computes the whole causal square of a chunk of up to 512 keys); on
-AVX-512 CPUs they keep the SDPA path (context and chunk merged by log-sum-exp), not
-measured against the kernel there. Numbers: docs/KERNELS.md, "CPU attention". Falls
+float32 chunks run natively on CPUs with AVX2 and FMA, 16 lanes with AVX-512
+(prefill_attention_f32.c: SDPA's CPU kernel computes the whole causal square of a chunk of
+up to 512 keys, and takes the chunk and its context as two calls). Numbers: docs/KERNELS.md, "CPU attention". Falls
 back to the torch path entirely when the kernels cannot be built (no C compiler) or a
 shape is beyond their limits.
 """

@@ -226,9 +226,9 @@ def paged_decode_attention(
     return out if rc == 0 else None
 
 
-PREFILL_KERNELS = ("auto", "amx", "avx512", "avx2")
+PREFILL_KERNELS = ("auto", "amx", "avx512", "f32")
 # the prefill kernels that take each query dtype
-_DTYPE_KERNELS = {torch.bfloat16: ("auto", "amx", "avx512"), torch.float32: ("auto", "avx2")}
+_DTYPE_KERNELS = {torch.bfloat16: ("auto", "amx", "avx512"), torch.float32: ("auto", "f32")}
 
 
 def prefill_amx_available() -> bool:
@@ -239,8 +239,8 @@ def prefill_amx_available() -> bool:
 
 
 def prefill_f32_available() -> bool:
-    """Whether the float32 prefill kernel runs here (built for a CPU with AVX2 and FMA and
-    no AVX-512: prefill_attention_avx2.c)."""
+    """Whether the float32 prefill kernel runs here (built for a CPU with AVX2 and FMA, or
+    AVX-512: prefill_attention_f32.c)."""
     kernels = _get_kernels()
     return kernels is not None and kernels.f32_prefill_supported
 
@@ -266,8 +266,8 @@ def prefill_attention(
     block ids of the sequence; out: [q_len, H, D] like q (token stride free);
     scratch: optional buffer of q's dtype, >= `prefill_scratch_elems` elements.
     kernel: for bf16, "amx" (matmuls on AMX tiles, prefill_amx.c) or "avx512" (VDPBF16PS
-    dot products, CPUs with AVX512-BF16); for float32, "avx2" (prefill_attention_avx2.c,
-    CPUs with AVX2 and FMA and no AVX-512); "auto": the one for q's dtype (AMX where it
+    dot products, CPUs with AVX512-BF16); for float32, "f32" (prefill_attention_f32.c,
+    CPUs with AVX2 and FMA, 16 lanes with AVX-512); "auto": the one for q's dtype (AMX where it
     runs, else AVX-512, for bf16). A kernel of another dtype does not apply (False).
     """
     if kernel not in PREFILL_KERNELS:

@@ -72,7 +72,7 @@ def test_a_bad_cap_is_a_one_line_cli_error() -> None:
 
 
 # a CPU with AVX-512 builds none of the AVX2-only kernels (gemv_avx2.c,
-# prefill_attention_avx2.c, decode_attention_avx2.c, the VPMADDUBSW int8 panels); under
+# decode_attention_avx2.c, prefill_attention_f32.c's 8 lanes, the VPMADDUBSW int8 panels); under
 # the avx2 cap they are built and run against their references
 _AVX2_CHECK = """
 import torch

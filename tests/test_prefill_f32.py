@@ -1,6 +1,7 @@
-"""The float32 prefill attention kernel (kernels/csrc/prefill_attention_avx2.c, CPUs with
-AVX2 and FMA and no AVX-512) against the torch reference, and the backend taking it for
-float32 chunks."""
+"""The float32 prefill attention kernel (kernels/csrc/prefill_attention_f32.c, CPUs with
+AVX2 and FMA: 8 lanes, or 16 with AVX-512) against the torch reference, and the backend
+taking it for float32 chunks. The AVX2 build runs here on AVX-512 CPUs too, under the
+avx2 cap (tests/test_cpu_isa.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache
 
 pytestmark = pytest.mark.skipif(
     not (cpu_attention_available() and prefill_f32_available()),
-    reason="the float32 prefill kernel is built for AVX2 CPUs without AVX-512",
+    reason="the float32 prefill kernel is built for CPUs with AVX2 and FMA",
 )
 
 
@@ -40,14 +41,14 @@ def _case(
 
 
 # chunks with and without earlier context, at and off the 16-key pieces, the 64-key steps
-# and the 6-row groups, over blocks of several sizes; grouped-query layouts with G of 1,
+# and the 6- and 12-row groups, over blocks of several sizes; grouped-query layouts with G of 1,
 # 3 and 8
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
 @pytest.mark.parametrize(
     "lens",
     [(1, 1), (5, 5), (7, 7), (16, 16), (37, 37), (3, 40), (16, 48), (6, 64), (7, 65)]
-    + [(33, 100), (64, 81), (70, 200), (130, 130)],
+    + [(12, 12), (25, 77), (33, 100), (64, 81), (70, 200), (130, 130)],
 )
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_prefill_kernel_f32_matches_reference(
@@ -100,9 +101,9 @@ def test_prefill_kernel_f32_declines_what_it_cannot_do() -> None:
     # the float32 kernel by name takes float32 only
     bf = torch.bfloat16
     assert not prefill_attention(
-        q.to(bf), k_cache.to(bf), v_cache.to(bf), table, 9, 0.1, out.to(bf), kernel="avx2"
+        q.to(bf), k_cache.to(bf), v_cache.to(bf), table, 9, 0.1, out.to(bf), kernel="f32"
     )
-    assert prefill_attention(q, k_cache, v_cache, table, 9, 0.1, out, kernel="avx2")
+    assert prefill_attention(q, k_cache, v_cache, table, 9, 0.1, out, kernel="f32")
     # a block id outside the cache is an error, as everywhere else
     bad = table.clone()
     bad[1] = 10_000

@@ -152,8 +152,8 @@ int prefill_attention_amx_bf16(const uint16_t *q, long q_stride, const uint16_t 
                                uint16_t *out, long out_stride, long num_blocks,
                                uint16_t *scratch);
 
-/* prefill_attention_avx2.c: float32 prefill attention on AVX2 + FMA builds without
- * AVX-512 (prefill_attention_f32 returns -1 elsewhere) */
+/* prefill_attention_f32.c: float32 prefill attention on AVX2 + FMA and AVX-512 builds
+ * (prefill_attention_f32 returns -1 elsewhere) */
 int prefill_f32_supported(void);
 int prefill_attention_f32(const float *q, long q_stride, const float *k_cache,
                           const float *v_cache, const int32_t *table, int q_len, int k_len,
