@@ -13,9 +13,9 @@ products, faster than SDPA there (which computes bf16 in float32). Where AMX is 
 but the kernel cannot use it, SDPA stays (it beats the VDPBF16PS kernel on AMX CPUs).
 float32 chunks run natively on CPUs with AVX2 and FMA, 16 lanes with AVX-512
 (prefill_attention_f32.c: SDPA's CPU kernel computes the whole causal square of a chunk of
-up to 512 keys, and takes the chunk and its context as two calls). Numbers: docs/KERNELS.md, "CPU attention". Falls
-back to the torch path entirely when the kernels cannot be built (no C compiler) or a
-shape is beyond their limits.
+up to 512 keys, and takes the chunk and its context as two calls). Numbers:
+docs/KERNELS.md, "CPU attention". Falls back to the torch path entirely when the kernels
+cannot be built (no C compiler) or a shape is beyond their limits.
 """
 
 from __future__ import annotations

@@ -267,8 +267,9 @@ def prefill_attention(
     scratch: optional buffer of q's dtype, >= `prefill_scratch_elems` elements.
     kernel: for bf16, "amx" (matmuls on AMX tiles, prefill_amx.c) or "avx512" (VDPBF16PS
     dot products, CPUs with AVX512-BF16); for float32, "f32" (prefill_attention_f32.c,
-    CPUs with AVX2 and FMA, 16 lanes with AVX-512); "auto": the one for q's dtype (AMX where it
-    runs, else AVX-512, for bf16). A kernel of another dtype does not apply (False).
+    CPUs with AVX2 and FMA, 16 lanes with AVX-512); "auto": the one for q's dtype (AMX
+    where it runs, else AVX-512, for bf16). A kernel of another dtype does not apply
+    (False).
     """
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"prefill kernel {kernel!r} is not one of {PREFILL_KERNELS}")

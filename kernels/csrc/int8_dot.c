@@ -290,9 +290,9 @@ int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *
 /* Peak probes for scripts/bench_int8_dot.py and bench_engine.py --int8: `iters` rounds of
  * independent accumulator chains per thread (OpenMP). int8 = 1: 10 VPMADDUBSW a round, 32
  * int8 MACs each, summed in int16 by VPADDW (int8_panels.c's inner loop, the fastest AVX2
- * int8 dot-accumulate: VPMADDUBSW's throughput is the limit), or 10 VPDPBUSD where the
- * build has it, on the panels' vector width (512-bit where INT8_DPBUSD512: 64 MACs each;
- * else INT8_DPBUSD, 256-bit); int8 = 0: 10 chains of
+ * int8 dot-accumulate: VPMADDUBSW's throughput is the limit), or chains of VPDPBUSD where
+ * the build has it, on the panels' vector width (16 of 512-bit ones, 64 MACs each, where
+ * INT8_DPBUSD512; else 10 of INT8_DPBUSD's 256-bit ones); int8 = 0: 10 chains of
  * VFMADD231PS (8 float32 MACs each). Returns the MACs done (all threads); the caller times
  * the call. 0 in builds without AVX2. */
 #if defined(INT8_DOT_AVX2)

@@ -13,12 +13,12 @@
  * One run times the activation bytes 4r .. 4r+3 broadcast to every lane is one 512-bit
  * VPDPBUSD (AVX512-VNNI builds: 16 columns x 4 products summed into int32 lanes) or, on
  * 256-bit builds, one instruction per half run (8 columns): VPDPBUSD (AVX-VNNI) or
- * VPMADDUBSW (AVX2), whose int16 pair sums
- * of a block's 8 runs cannot overflow (16 products of |15 * 127| per lane: <= 30,480 <
- * 32,767) and one VPMADDWD by ones turns into the exact int32 block dots. Every variant
- * computes the same integer sums, bitwise. A block's scaling is then one conversion, one
- * multiply and two fmas per vector of columns (int8_dot.c pays that per column); the lanes
- * are the output columns: no horizontal sums.
+ * VPMADDUBSW (AVX2), whose int16 pair sums of a block's 8 runs cannot overflow (16
+ * products of |15 * 127| per lane: <= 30,480 < 32,767) and one VPMADDWD by ones turns
+ * into the exact int32 block dots. Every variant computes the same integer sums, bitwise.
+ * A block's scaling is then one conversion, one multiply and two fmas per vector of
+ * columns (int8_dot.c pays that per column); the lanes are the output columns: no
+ * horizontal sums.
  *
  * Tiles of rows x panels (weight runs shared by the rows, activation broadcasts by the
  * panels); OpenMP over spans of panels whose weights stay in L1/L2 while every row passes.
