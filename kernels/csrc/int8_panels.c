@@ -85,6 +85,9 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < NP; j++) acc[i][j] = _mm512_setzero_ps();
     for (int b = 0; b < KB; b++) {
         __m512i s[TILE_MR][TILE_NP];
+        /* unrolled: `r == 0` resolves at compile time (a rolled loop pays a branch and
+         * loop counters on the vector ports' cycles) */
+#pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
             __m512i w[TILE_NP], x[TILE_MR];
             for (int j = 0; j < NP; j++)
@@ -161,6 +164,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int b = 0; b < KB; b++) {
         const uint8_t *wb = wq + (p * KB + b) * (long)PANEL_BLOCK_BYTES;
         __m256i s16[TILE_MR][2]; /* int32 lanes with VPDPBUSD */
+#pragma GCC unroll 8 /* as in the 512-bit tile */
         for (int r = 0; r < 8; r++) {
             __m256i w[2], x[TILE_MR];
             for (int h = 0; h < 2; h++) w[h] = _mm256_loadu_si256((const __m256i *)(wb + 64 * r + 32 * h));
