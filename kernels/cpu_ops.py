@@ -258,12 +258,12 @@ class NativeCpuOps(HotOps):
         bias-free weight read its blocks where it holds them, else its plain weight
         through the C matrix-vector kernel; more rows its AMX tiles where it holds them.
         Every row reads the blocks by int8 dot products where the owner is set to
-        (`LinearWeight.int8_blocks`)."""
-        out = int8_blocks_linear(x, weight)
-        if out is not None:
-            return out
+        (`LinearWeight.int8_blocks`), except blocks without int8 panels (Q8 on builds
+        without VPDPBUSD) within those rows: int8_dot.c on the file's layout is no faster
+        than the float block kernel there (docs/KERNELS.md), which is the float path's
+        result."""
         fn = self._fns.get(("gemv", x.dtype))
-        if (
+        gemv_rows = not (
             fn is None
             or weight.bias is not None
             or not _rows_ok(x)
@@ -271,7 +271,12 @@ class NativeCpuOps(HotOps):
             or weight.dtype != x.dtype
             or weight.device.type != "cpu"
             or weight.in_features != x.shape[1]
-        ):
+        )
+        if not (gemv_rows and weight.blocks is not None and weight.int8_panels is None):
+            out = int8_blocks_linear(x, weight)
+            if out is not None:
+                return out
+        if not gemv_rows:
             return self._many_rows(x, weight)
         if weight.blocks is not None:
             # the quantized blocks hold exactly the plain weight, and their kernel sums as

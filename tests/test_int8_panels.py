@@ -239,3 +239,44 @@ def test_q8_panels_refused_where_vpdpbusd_is_not_built(monkeypatch: pytest.Monke
     w8 = LinearWeight(q8.dequantize())
     w8.attach_blocks(q8, "w8")
     assert w8.set_int8_blocks(True) and w8.int8_panels is None  # its own layout instead
+
+
+def test_native_linear_reads_q8_blocks_without_panels_by_the_float_kernel_within_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Set to int8, an owner whose blocks have no panels (Q8 where VPDPBUSD is not built)
+    takes the float block kernel for the rows that kernel covers (int8_dot.c on the
+    file's layout is no faster there: the float path's result, bitwise) and int8 dot
+    products above them; an owner with panels takes int8 at every row count."""
+    from sarazmq.kernels import cpu_ops, linear_weight
+    from sarazmq.kernels.block_quant import block_quant_linear
+    from sarazmq.kernels.cpu_ops import NativeCpuOps
+
+    try:
+        ops = NativeCpuOps()
+    except ValueError:
+        pytest.skip("native CPU ops unavailable")
+    monkeypatch.setattr(linear_weight, "int8_panels_take", lambda kind: kind == "q4")
+    q8 = _weight(40, 64, "Q8_0", 11)
+    w8 = LinearWeight(q8.dequantize())
+    w8.attach_blocks(q8, "w8")
+    assert w8.set_int8_blocks(True) and w8.int8_panels is None
+    max_rows = cpu_ops.GEMV_MAX_ROWS_BLOCKS[torch.float32]
+    for rows in (1, max_rows):
+        x = _x(rows, 64, rows)
+        want = block_quant_linear(x, q8)
+        if want is None:
+            pytest.skip("the float block kernel does not cover these sizes in this build")
+        assert torch.equal(ops.linear(x, w8), want)
+    x = _x(max_rows + 1, 64, 3)
+    out = ops.linear(x, w8)
+    int8_out = int8_blocks_linear(x, w8)
+    assert int8_out is not None and torch.equal(out, int8_out)
+    # Q4 blocks hold panels: int8 at one row too
+    q4 = _weight(40, 64, "Q4_1", 12)
+    w4 = LinearWeight(q4.dequantize())
+    w4.attach_blocks(q4, "w4")
+    assert w4.set_int8_blocks(True) and w4.int8_panels is not None
+    x = _x(1, 64, 4)
+    want4 = int8_blocks_linear(x, w4)
+    assert want4 is not None and torch.equal(ops.linear(x, w4), want4)
