@@ -470,10 +470,11 @@ class LlamaForCausalLM(nn.Module):
         "float" (the float32 weights rebuilt: bitwise the plain model) or "int8" (every row
         of a float32 model by int8 dot products, sarazmq.kernels.int8_dot: llama.cpp's
         precision; on builds without VPDPBUSD, Q8 blocks within the float block kernel's
-        rows take that kernel, `NativeCpuOps.linear`). Returns how many matmul weights now take int8. The fused decode step
-        (decode-only steps, `fused_decode`) then reads the Q4 matmuls as int8 panels too
-        (`LinearWeight.int8_panels`; Q8 ones keep its float block kernel). ValueError for
-        another mode ("auto" is resolved before the model is built)."""
+        rows take that kernel, `NativeCpuOps.linear`). Returns how many matmul weights now
+        take int8. The fused decode step (decode-only steps, `fused_decode`) then reads
+        the Q4 matmuls as int8 panels too (`LinearWeight.int8_panels`; Q8 ones keep its
+        float block kernel). ValueError for another mode ("auto" is resolved before the
+        model is built)."""
         if mode not in ("float", "int8"):
             raise ValueError(f"unknown gguf_matmul {mode!r}; choose 'float' or 'int8'")
         count = 0
