@@ -6,6 +6,7 @@ path (fused step, per op, logits) and from a real GGUF file."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -359,17 +360,19 @@ def test_blocks_that_would_change_results_are_dropped_on_load(
     # a loader bug that garbled the blocks must cost speed, never results or the load
     from test_model import _save_hf, _write_tiny_gguf
 
-    import sarazmq.model.gguf_loader as gguf_loader
+    import sarazmq.model.loader as loader
 
     path = tmp_path / "q.gguf"
     _write_tiny_gguf(_save_hf(tmp_path, "llama"), path, "llama", quant=LAYER_TYPES)
-    real = gguf_loader.from_gguf_blocks
+    real = loader.iter_gguf_block_weights
 
-    def garbled(*args: object) -> BlockQuantWeight:
-        w = real(*args)  # type: ignore[arg-type]
-        return BlockQuantWeight(w.kind, w.qs, w.scales * 2)
+    def garbled(*args: object) -> Iterator[tuple[str, BlockQuantWeight]]:
+        # the blocks handed to the model only: the dequantized weights read the same
+        # file through the same layout, right
+        for name, w in real(*args):  # type: ignore[arg-type]
+            yield name, BlockQuantWeight(w.kind, w.qs, w.scales * 2)
 
-    monkeypatch.setattr(gguf_loader, "from_gguf_blocks", garbled)
+    monkeypatch.setattr(loader, "iter_gguf_block_weights", garbled)
     source = resolve_model(str(path))
     model = load_model(source, load_model_config(source), torch.float32, "cpu", CpuPagedAttention())
     assert not _has_blocks(model)

