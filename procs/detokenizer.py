@@ -8,16 +8,17 @@ import msgspec
 import zmq
 
 from sarazmq.detokenizer import DetokenizerService
-from sarazmq.model.loader import load_tokenizer, resolve_model
+from sarazmq.model.source import load_decoding_tokenizer, resolve_model
 from sarazmq.procs.common import ProcSpec, recv_interruptible, run_process
 from sarazmq.procs.sockets import pull_socket, push_socket
 from sarazmq.protocol.engine import DetokenizerInbound, OutputBatch, StopStringHit
 
 
 def body(spec: ProcSpec, ctx: zmq.Context, ready: Callable[..., None]) -> None:
-    service = DetokenizerService(
-        load_tokenizer(resolve_model(spec.config.model, spec.config.load_format))
+    tokenizer, eos_token_ids = load_decoding_tokenizer(
+        resolve_model(spec.config.model, spec.config.load_format)
     )
+    service = DetokenizerService(tokenizer, eos_token_ids)
     inbound = pull_socket(ctx, spec.own.detokenizers[spec.index])
     frontend = push_socket(ctx, spec.endpoints.frontend_in)
     scheduler = push_socket(ctx, spec.own.scheduler_in)

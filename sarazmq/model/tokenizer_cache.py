@@ -26,6 +26,13 @@ def gguf_tokenizer_key(gguf_path: str) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
+def cached_gguf_tokenizer(gguf_path: str) -> Path | None:
+    """The folder of the GGUF's converted tokenizer (tokenizer.json, tokenizer_config.json)
+    if an earlier load cached it, else None."""
+    target = cache_root() / "tokenizers" / gguf_tokenizer_key(gguf_path)
+    return target if (target / "tokenizer.json").is_file() else None
+
+
 def load_gguf_tokenizer_cached(directory: str, gguf_file: str) -> Any:
     """Loads the GGUF's tokenizer, converting and caching it on first use."""
     from transformers import AutoTokenizer
