@@ -7,7 +7,7 @@ import signal
 from collections.abc import Callable
 
 from sarazmq.api import APIConfig, HTTPBind, serve_http
-from sarazmq.model.loader import load_tokenizer, resolve_model
+from sarazmq.model.source import load_tokenizer, resolve_model
 from sarazmq.procs.common import ProcSpec, async_body, run_process
 
 

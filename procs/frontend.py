@@ -36,7 +36,7 @@ from sarazmq.frontend import (
     FrontendService,
     PromptTokenizer,
 )
-from sarazmq.model.loader import load_tokenizer, resolve_model
+from sarazmq.model.source import load_tokenizer, resolve_model
 from sarazmq.procs.common import ProcSpec, async_body, run_process
 from sarazmq.procs.sockets import public_router, pull_socket, push_socket
 from sarazmq.protocol.engine import FrontendInbound, InstanceDown
