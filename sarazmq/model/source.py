@@ -124,12 +124,16 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 
 def load_decoding_tokenizer(source: ModelSource) -> tuple[Any, list[int]]:
-    """What a detokenizer decodes with: (tokenizer, eos token ids). The Rust
-    `tokenizers.Tokenizer` of the model's tokenizer.json where one is on disk (the
-    converted GGUF tokenizer's cache, or the folder's own): the same decoder the fast
-    transformers tokenizer runs, without importing transformers and torch (seconds of
-    every detokenizer's start). Else the transformers tokenizer (`load_tokenizer`)."""
-    folder = _tokenizer_json_folder(source)
+    """What a detokenizer decodes with: (tokenizer, eos token ids). For a GGUF model whose
+    tokenizer an earlier `load_tokenizer` converted and cached, the Rust
+    `tokenizers.Tokenizer` of that tokenizer.json: what the fast transformers tokenizer
+    saved of itself, so the decoder it runs, without importing transformers and torch
+    (seconds of every detokenizer's start). Else the transformers tokenizer. (A
+    safetensors folder's own tokenizer.json is not used: transformers may adjust a
+    tokenizer on load, from tokenizer_config.json, that the file alone does not show.)"""
+    from sarazmq.model.tokenizer_cache import cached_gguf_tokenizer
+
+    folder = cached_gguf_tokenizer(source.gguf_path) if source.kind == "gguf" else None
     if folder is not None:
         from tokenizers import Tokenizer
 
@@ -144,19 +148,6 @@ def load_decoding_tokenizer(source: ModelSource) -> tuple[Any, list[int]]:
     tokenizer = load_tokenizer(source)
     eos_id = getattr(tokenizer, "eos_token_id", None)
     return tokenizer, [eos_id] if isinstance(eos_id, int) else []
-
-
-def _tokenizer_json_folder(source: ModelSource) -> Path | None:
-    # the folder whose tokenizer.json + tokenizer_config.json load_tokenizer reads
-    from sarazmq.model.tokenizer_cache import cached_gguf_tokenizer
-
-    if source.kind == "gguf":
-        folder = cached_gguf_tokenizer(source.gguf_path)
-    else:
-        folder = Path(source.path)
-    if folder is None or not (folder / "tokenizer.json").is_file():
-        return None
-    return folder
 
 
 def _eos_token(folder: Path) -> str | None:
