@@ -39,17 +39,22 @@ def install_baseline(rev: str, into: Path) -> Path:
     """The package of commit `rev`, installed into `into`/pkg; the folder to put on
     PYTHONPATH."""
     tree, pkg = into / "tree", into / "pkg"
-    subprocess.run(
+    added = subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev],
-        check=True,
         capture_output=True,
+        text=True,
     )
+    if added.returncode != 0:
+        raise SystemExit(
+            f"--baseline {rev!r}: not a commit of this checkout ({added.stderr.strip()})"
+        )
     try:
-        subprocess.run(
+        installed = subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
              "--target", str(pkg), str(tree)],
-            check=True,
         )  # fmt: skip
+        if installed.returncode != 0:
+            raise SystemExit(f"--baseline {rev!r}: pip could not install that commit")
     finally:
         subprocess.run(
             ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],

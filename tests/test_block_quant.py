@@ -367,8 +367,8 @@ def test_blocks_that_would_change_results_are_dropped_on_load(
     real = loader.iter_gguf_block_weights
 
     def garbled(*args: object) -> Iterator[tuple[str, BlockQuantWeight]]:
-        # the blocks handed to the model only: the dequantized weights read the same
-        # file through the same layout, right
+        # the blocks handed to the model only (the dequantized weights are read through
+        # the same layout, so garbling that would change both alike)
         for name, w in real(*args):  # type: ignore[arg-type]
             yield name, BlockQuantWeight(w.kind, w.qs, w.scales * 2)
 
