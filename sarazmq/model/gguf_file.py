@@ -63,15 +63,20 @@ class GGUFFile:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._buf, 4)
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} (byte order?) not read here")
+        self.version = version
         pos = 24
         # key -> (value type, offset of the value)
         self._fields: dict[str, tuple[int, int]] = {}
+        self._entry_spans: dict[str, tuple[int, int]] = {}
         for _ in range(n_kv):
+            entry_start = pos
             key, pos = self._string(pos)
             (vtype,) = struct.unpack_from("<I", self._buf, pos)
             pos += 4
             self._fields[key] = (vtype, pos)
             pos = self._skip(vtype, pos)
+            self._entry_spans[key] = (entry_start, pos)
+        tensor_infos_start = pos
         infos = []
         for _ in range(n_tensors):
             name, pos = self._string(pos)
@@ -80,8 +85,12 @@ class GGUFFile:
             ttype, offset = struct.unpack_from("<IQ", self._buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
             infos.append((name, dims, ttype, offset))
-        align = int(self.field("general.alignment", _DEFAULT_ALIGNMENT))
-        start = -(-pos // align) * align
+        #: byte range of the tensor descriptions (name, dims, type, offset each)
+        self.tensor_infos_span = (tensor_infos_start, pos)
+        self.alignment = int(self.field("general.alignment", _DEFAULT_ALIGNMENT))
+        start = -(-pos // self.alignment) * self.alignment
+        #: where the tensor data begins (tensor offsets count from here)
+        self.data_start = start
         self.tensors = [self._tensor(start, *info) for info in infos]
 
     # ------------------------------------------------------------------ fields
@@ -95,6 +104,11 @@ class GGUFFile:
 
     def keys(self) -> list[str]:
         return list(self._fields)
+
+    def entry_span(self, key: str) -> tuple[int, int]:
+        """The byte range of a metadata entry (key, value type and value) in the file, to
+        copy it as stored; KeyError for a key the file lacks."""
+        return self._entry_spans[key]
 
     def _string(self, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._buf, pos)
