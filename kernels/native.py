@@ -1,10 +1,11 @@
 """Builds and loads the C kernels under kernels/csrc with the system C compiler (ctypes).
 
-The kernels are plain C (no torch headers). Every .c file there is compiled into one
-shared library (the fused decode step calls the others' kernels), at first use, in a few
-seconds, into a cache folder keyed by the sources and headers, the compiler, the flags
-and the CPU, and reused after. Where no compiler works the loader returns None and
-callers keep the torch path; nothing is built at import time.
+The kernels are plain C (no torch headers). Every .c file there is compiled (one
+compiler per core) and linked into one shared library (the fused decode step calls the
+others' kernels), at first use, in a few seconds, into a cache folder keyed by the
+sources and headers, the compiler, the flags and the CPU, and reused after. Where no
+compiler works the loader returns None and callers keep the torch path; nothing is built
+at import time.
 
 Build cache: $SARAZMQ_CACHE/native (default ~/.cache/sarazmq/native). Set
 SARAZMQ_NATIVE=0 to never build or load them.
@@ -28,6 +29,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -171,16 +173,36 @@ def _build_and_load() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run(
-                [cc, *flags, "-o", tmp, *map(str, sources), "-lm"],
-                check=True,
-                capture_output=True,
-                timeout=300,
-            )
+            _compile(cc, flags, sources, Path(tmp))
             os.replace(tmp, target)
-        except subprocess.CalledProcessError as e:
-            raise OSError(f"{cc} failed: {e.stderr.decode(errors='replace')[-2000:]}") from e
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ctypes.CDLL(str(target))
+
+
+def _compile(cc: str, flags: tuple[str, ...], sources: list[Path], target: Path) -> None:
+    """Compiles each source to an object file, as many at once as this process may use
+    cores (one compiler run over all of them used one core for the whole build), then
+    links them into `target`. OSError naming the source (or the link) that failed."""
+    object_flags = [f for f in flags if f != "-shared"]
+    jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    with tempfile.TemporaryDirectory(dir=target.parent) as objdir:
+        objects = [Path(objdir) / f"{src.stem}.o" for src in sources]
+
+        def run(src: Path, obj: Path) -> subprocess.CompletedProcess[bytes]:
+            cmd = [cc, *object_flags, "-c", "-o", str(obj), str(src)]
+            return subprocess.run(cmd, capture_output=True, timeout=300)
+
+        # the biggest sources first, so that no long compile starts last
+        order = sorted(range(len(sources)), key=lambda i: -sources[i].stat().st_size)
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            done = list(pool.map(run, [sources[i] for i in order], [objects[i] for i in order]))
+        for src, proc in zip([sources[i] for i in order], done):
+            if proc.returncode != 0:
+                err = proc.stderr.decode(errors="replace")[-2000:]
+                raise OSError(f"{cc} failed on {src.name}: {err}")
+        link = [cc, *flags, "-o", str(target), *map(str, objects), "-lm"]
+        proc = subprocess.run(link, capture_output=True, timeout=300)
+        if proc.returncode != 0:
+            raise OSError(f"{cc} failed to link: {proc.stderr.decode(errors='replace')[-2000:]}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import subprocess
 import sys
 
@@ -549,6 +550,28 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
     )
     assert f"fused {f32} False" in proc.stdout
     assert f"blocks {f32} False" in proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a POSIX shell wrapper")
+def test_a_compiler_that_fails_leaves_the_torch_path_and_names_the_source(tmp_path) -> None:
+    # the sources compile one per core (kernels/native.py): a failure names its source,
+    # load_library returns None (callers keep torch), and nothing is left in the cache
+    wrapper = tmp_path / "cc-broken"
+    wrapper.write_text('#!/bin/sh\necho "boom: cannot compile" >&2\nexit 1\n')
+    wrapper.chmod(0o755)
+    code = (
+        "import logging\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from sarazmq.kernels.native import load_library\n"
+        "print('library', load_library())\n"
+    )
+    env = dict(os.environ, CC=str(wrapper), SARAZMQ_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "library None" in proc.stdout
+    assert "native CPU kernels unavailable" in proc.stderr
+    assert re.search(r"cc-broken failed on \w+\.c: boom: cannot compile", proc.stderr), proc.stderr
+    assert [p.name for p in (tmp_path / "cache" / "native").iterdir()] == []
 
 
 def test_out_of_range_slots_and_blocks_are_errors_not_stray_writes() -> None:
