@@ -18,23 +18,28 @@ from pathlib import Path
 
 import gguf
 
+from sarazmq.model.gguf_file import GGUFFile
+
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 def truncate_gguf(src: Path, dst: Path, blocks: int) -> int:
     """Writes `src` with only blocks 0..blocks-1 to `dst`; returns the block count of
     `src`. ValueError when `blocks` is not in 1..that count or `src` has no block count."""
-    reader = gguf.GGUFReader(src)
-    arch_field = reader.fields.get(gguf.Keys.General.ARCHITECTURE)
-    if arch_field is None:
+    # checked with the loader's lazy reader first: GGUFReader takes seconds to parse a
+    # large vocabulary, a refusal should not
+    meta = GGUFFile(str(src))
+    arch = meta.field(gguf.Keys.General.ARCHITECTURE)
+    if arch is None:
         raise ValueError(f"{src}: no {gguf.Keys.General.ARCHITECTURE} field")
-    arch = arch_field.contents()
     count_key = gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)
-    if count_key not in reader.fields:
+    total = meta.field(count_key)
+    if total is None:
         raise ValueError(f"{src}: no {count_key} field")
-    total = int(reader.fields[count_key].contents())
+    total = int(total)
     if not 1 <= blocks <= total:
         raise ValueError(f"--blocks {blocks}: the model has {total} blocks; choose 1..{total}")
+    reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, arch, endianess=reader.endianess)
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
