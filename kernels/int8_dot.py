@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_quant import BLOCK, BlockQuantWeight
+from .int8_isa import int8_dot_avx2, int8_dot_vnni, int8_panels_vector_bits
 from .native import load_library
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -58,10 +59,8 @@ class _Kernels:
         self.matmul = lib.int8_block_matmul
         self.matmul.argtypes = [_I, _P, _P, _P, _I, _I, _P, _P, _P, _L, _I, _I]
         self.matmul.restype = _I
-        lib.int8_dot_avx2_built.restype = _I
-        self.avx2 = bool(lib.int8_dot_avx2_built())
-        lib.int8_dot_vnni_built.restype = _I
-        self.vnni = bool(lib.int8_dot_vnni_built())
+        self.avx2 = int8_dot_avx2()
+        self.vnni = int8_dot_vnni()
         self.probe = lib.int8_peak_probe
         self.probe.argtypes = [_L, _I]
         self.probe.restype = _L
@@ -71,8 +70,7 @@ class _Kernels:
             self.panels = lib.int8_panels_matmul
             self.panels.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _L, _I, _I, _I]
             self.panels.restype = _I
-            lib.int8_panels_vector_bits.restype = _I
-            self.panel_bits = int(lib.int8_panels_vector_bits())
+            self.panel_bits = int8_panels_vector_bits()
 
 
 _kernels: list[_Kernels] = []
@@ -87,22 +85,6 @@ def _get() -> _Kernels:
 def int8_dot_available() -> bool:
     """Whether the int8 kernels were built (any C compiler; fast with AVX2 + FMA)."""
     return _get().matmul is not None
-
-
-def int8_dot_avx2() -> bool:
-    """Whether the AVX2 variant of the kernels was built for this CPU."""
-    return _get().avx2
-
-
-def int8_dot_vnni() -> bool:
-    """Whether the built panels and probe use VPDPBUSD (AVX512-VNNI or AVX-VNNI CPUs)."""
-    return _get().vnni
-
-
-def int8_panels_vector_bits() -> int:
-    """The panel kernel's vector width: 512 (VPDPBUSD on zmm, AVX512-VNNI builds), 256
-    (AVX2's VPMADDUBSW or AVX-VNNI's VPDPBUSD), 0 (only the portable loop)."""
-    return _get().panel_bits
 
 
 def probe_peak_macs(int8: bool, iters: int = 2_000_000) -> float:

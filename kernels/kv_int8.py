@@ -22,30 +22,17 @@ import ctypes
 
 import torch
 
-from sarazmq.config import KV_CACHE_DTYPES
-
+from .kv_layout import INT8_SCALE_BYTES, kv_row_layout
 from .native import load_library
-
-# bytes after a row's D int8 values: its float32 scale
-INT8_SCALE_BYTES = 4
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    """ValueError naming the field unless it is one of KV_CACHE_DTYPES."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}"
-        )
 
 
 def kv_cache_layout(
     kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int
 ) -> tuple[torch.dtype, int]:
-    """(element dtype, elements per row of one token's one KV head) of the cache."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "int8":
-        return torch.int8, head_dim + INT8_SCALE_BYTES
-    return model_dtype, head_dim
+    """(element dtype, elements per row of one token's one KV head) of the cache
+    (`kv_layout.kv_row_layout` in torch dtypes)."""
+    name, row = kv_row_layout(kv_cache_dtype, str(model_dtype).removeprefix("torch."), head_dim)
+    return getattr(torch, name), row
 
 
 def is_int8_cache(cache: torch.Tensor) -> bool:

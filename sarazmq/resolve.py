@@ -5,18 +5,29 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import torch
-
 from sarazmq.config import EngineConfig, ModelConfig
-from sarazmq.kernels.int8_dot import int8_dot_avx2, int8_dot_vnni
+from sarazmq.kernels.int8_isa import int8_dot_avx2, int8_dot_vnni
 from sarazmq.kernels.native import cpu_has_flag, cpu_isa_cap
-from sarazmq.model.kv_cache import check_pipeline_parallel, kv_cache_bytes_per_block, stage_layers
-from sarazmq.model.loader import load_model_config, resolve_model
+from sarazmq.model.model_config import load_model_config
+from sarazmq.model.partition import check_pipeline_parallel, kv_cache_bytes_per_block, stage_layers
+from sarazmq.model.source import resolve_model
+
+#: device nodes of the GPU drivers torch.cuda runs on (NVIDIA; AMD's ROCm; WSL's GPU):
+#: where none exists CUDA cannot be available, and "auto" is the CPU without importing
+#: torch (seconds of a deployment's start, before any process is spawned)
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_present() -> bool:
+    """Whether any of the GPU drivers' device nodes exists (`GPU_DEVICE_NODES`)."""
+    return any(os.path.exists(node) for node in GPU_DEVICE_NODES)
 
 
 def available_memory_bytes(device: str) -> int:
     """Free memory where the KV cache will live."""
     if device.startswith("cuda"):
+        import torch
+
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
@@ -24,10 +35,15 @@ def available_memory_bytes(device: str) -> int:
 
 def resolve_device(device: str) -> str:
     """ "auto" is cuda where CUDA is available, else cpu; a cuda device needs CUDA."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    if device == "auto" and not gpu_driver_present():
+        return "cpu"
+    if device == "auto" or device.startswith("cuda"):
+        import torch
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} requested but CUDA is not available")
     return device
 
 
@@ -35,6 +51,8 @@ def native_bf16(device: str) -> bool:
     """Whether `device` computes bfloat16 natively: a CUDA GPU with bf16 support, or a CPU
     with AMX-BF16 or AVX512-BF16 (elsewhere bf16 matmuls are emulated, slower than float32)."""
     if device.startswith("cuda"):
+        import torch
+
         return bool(torch.cuda.is_bf16_supported())
     return cpu_has_flag("amx_bf16") or cpu_has_flag("avx512_bf16")
 
@@ -139,7 +157,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ModelConf
         per_block = kv_cache_bytes_per_block(
             model_config,
             block_size,
-            getattr(torch, dtype),
+            dtype,
             tp,
             stage_layer_count,
             kv_cache_dtype=cache.kv_cache_dtype,

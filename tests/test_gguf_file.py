@@ -16,6 +16,7 @@ from gguf_copies import VOCABULARY_KEYS, gguf_without_vocabulary
 
 import sarazmq.model.gguf_loader as gguf_loader
 import sarazmq.model.loader as loader
+import sarazmq.model.model_config as model_config
 from sarazmq.model.gguf_file import GGUFFile
 
 
@@ -127,8 +128,8 @@ def test_default_model_weights_are_gguf_dequantize_bit_for_bit() -> None:
     from gguf.quants import dequantize
 
     path = loader.default_gguf_source().gguf_path
-    reader = gguf_loader.open_gguf(path)
-    config = gguf_loader.gguf_model_config(reader)
+    reader = model_config.open_gguf(path)
+    config = model_config.gguf_model_config(reader)
     ours = list(gguf_loader.iter_gguf_weights(reader, config))  # in the file's order
     # the raw blocks as the file holds them (test_default_model_file_reads_as_gguf_reader)
     ref = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
@@ -181,8 +182,8 @@ def test_files_it_does_not_read_are_errors_and_the_loader_falls_back(
         def __init__(self, path: str) -> None:
             raise ValueError("not read here")
 
-    monkeypatch.setattr(gguf_loader, "GGUFFile", Refusing)
+    monkeypatch.setattr(model_config, "GGUFFile", Refusing)
     source = loader.ModelSource("gguf", str(tmp_path), good.name)
-    reader = gguf_loader.open_gguf(source.gguf_path)
+    reader = model_config.open_gguf(source.gguf_path)
     assert isinstance(reader, gguf.GGUFReader)
-    assert gguf_loader.gguf_field(reader, "llama.embedding_length") == 64
+    assert model_config.gguf_field(reader, "llama.embedding_length") == 64

@@ -213,3 +213,34 @@ def test_python_m_sarazmq_cli_from_the_checkout_drops_it_from_sys_path() -> None
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("KERNELS") and str(root / "kernels") not in line, out.stdout
+
+
+def test_the_launcher_resolves_a_deployment_without_torch() -> None:
+    """`sarazmq serve` resolves the config (model architecture, device, dtype, KV pool,
+    GGUF matmuls) before it spawns anything: with torch (seconds to import) left to the
+    workers. On a machine without GPU device nodes that takes neither torch nor
+    transformers; the result is the one this process (torch loaded) resolves."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import sarazmq.procs.launcher
+        from sarazmq.config import CacheConfig, EngineConfig
+        from sarazmq.resolve import gpu_driver_present, resolve_engine_config
+        config, model = resolve_engine_config(EngineConfig(cache=CacheConfig(num_blocks=100)))
+        print(config.device, config.dtype, config.gguf_matmul, model.num_layers)
+        print("gpu_nodes=" + str(gpu_driver_present()))
+        print("loaded=" + ",".join(m for m in ("torch", "transformers") if m in sys.modules))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    resolved, gpu_nodes, loaded = proc.stdout.strip().splitlines()
+    from sarazmq.config import CacheConfig, EngineConfig
+    from sarazmq.resolve import resolve_engine_config
+
+    config, model = resolve_engine_config(EngineConfig(cache=CacheConfig(num_blocks=100)))
+    assert resolved == f"{config.device} {config.dtype} {config.gguf_matmul} {model.num_layers}"
+    if gpu_nodes == "gpu_nodes=False":
+        assert loaded == "loaded=", loaded
+    else:  # a GPU machine: torch answers whether CUDA works; still no transformers
+        assert "transformers" not in loaded

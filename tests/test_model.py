@@ -16,16 +16,16 @@ import torch
 from sarazmq.config import ModelConfig, RopeScaling
 from sarazmq.kernels import TorchPagedAttention
 from sarazmq.kernels.metadata import AttentionMetadata
-from sarazmq.model.gguf_loader import llama3_scaling_from_rope_freqs, reverse_permute_qk
+from sarazmq.model.gguf_loader import reverse_permute_qk
 from sarazmq.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.model.loader import (
     ModelSource,
     load_model,
     load_model_config,
-    model_config_from_hf_dict,
     resolve_model,
 )
+from sarazmq.model.model_config import llama3_scaling_from_rope_freqs, model_config_from_hf_dict
 
 torch.set_num_threads(1)
 
@@ -423,6 +423,43 @@ def test_kv_cache_shapes_and_bytes() -> None:
     assert caches[0][0].shape == (5, 4, 1, 8) and caches[0][1].dtype == torch.bfloat16
     per_block = kv_cache_bytes_per_block(cfg, 4, torch.bfloat16, tp_size=2)
     assert per_block == sum(k[0].nbytes + v[0].nbytes for k, v in caches)
+    # by dtype name (the launcher's torch-free sizing), every dtype and the int8 rows
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for kv in ("auto", "int8"):
+            caches = allocate_kv_cache(cfg, 5, 4, dtype, "cpu", kv_cache_dtype=kv)
+            per_block = sum(k[0].nbytes + v[0].nbytes for k, v in caches)
+            name = str(dtype).removeprefix("torch.")
+            assert kv_cache_bytes_per_block(cfg, 4, name, kv_cache_dtype=kv) == per_block
+    with pytest.raises(ValueError, match=r"dtype 'float64' is not one of"):
+        kv_cache_bytes_per_block(cfg, 4, torch.float64)
+
+
+def test_auto_device_without_gpu_device_nodes_asks_no_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`resolve_device("auto")` is the CPU where no GPU driver's device node exists,
+    without asking torch; where one does, torch.cuda decides."""
+    import sarazmq.resolve as resolve
+
+    def cuda(answer: bool) -> None:
+        def is_available() -> bool:
+            asked.append(True)
+            return answer
+
+        monkeypatch.setattr(torch.cuda, "is_available", is_available)
+
+    asked: list[bool] = []
+    node = tmp_path / "nvidiactl"
+    monkeypatch.setattr(resolve, "GPU_DEVICE_NODES", (str(node),))
+    cuda(True)
+    assert resolve.resolve_device("auto") == "cpu" and asked == []
+    node.touch()
+    assert resolve.resolve_device("auto") == "cuda" and asked == [True]
+    cuda(False)
+    assert resolve.resolve_device("auto") == "cpu"
+    node.unlink()  # asked for by name, torch is asked however the nodes look
+    with pytest.raises(ValueError, match="requested but CUDA is not available"):
+        resolve.resolve_device("cuda")
 
 
 def test_random_init_model_runs_and_missing_weights_error(tmp_path: Path) -> None:

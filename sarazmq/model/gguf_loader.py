@@ -1,6 +1,6 @@
-"""Reading GGUF files into the model: the architecture from the metadata, the weights
-dequantized and named as in Hugging Face checkpoints, and the blocks the decode kernels
-read as stored.
+"""Reading GGUF files' weights into the model (their architecture: `model_config`): the
+weights dequantized and named as in Hugging Face checkpoints, and the blocks the decode
+kernels read as stored.
 
 - weights are dequantized to float32 (Q4_0 / Q4_1 / Q8_0 through our block layout,
   gguf's values bit for bit; other types with `gguf.quants.dequantize`), then cast to the
@@ -8,9 +8,6 @@ read as stored.
 - llama.cpp's converter permutes the rows of Q and K of llama-arch models (Llama,
   Mistral, SmolLM) from HF's rotate-half layout to GGML's interleaved one; we undo it
   exactly as transformers' GGUF loader does. qwen2 GGUFs are not permuted;
-- llama3 rope scaling is stored as a `rope_freqs.weight` tensor of per-frequency divisors;
-  we recover the equivalent `RopeScaling("llama3", ...)` from it (and check it reproduces
-  the tensor);
 - the Q4_0 / Q4_1 / Q8_0 blocks of matmul weights are also handed out as stored
   (`iter_gguf_block_weights`), for the model to keep beside the dequantized weights.
 """
@@ -18,7 +15,6 @@ read as stored.
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sarazmq.config import ModelConfig, RopeScaling
+from sarazmq.config import ModelConfig
 from sarazmq.kernels.block_quant import (
     BLOCK,
     GGUF_BLOCK_FORMATS,
@@ -34,188 +30,12 @@ from sarazmq.kernels.block_quant import (
     from_gguf_blocks,
 )
 
-from .gguf_file import GGUFFile
+from .model_config import gguf_field
 
 log = logging.getLogger(__name__)
 
 # GGUF general.architecture values we load; "mistral" models are normally stored as llama
-_GGUF_ARCHS = ("llama", "mistral", "qwen2")
 _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
-
-
-def open_gguf(path: str) -> Any:
-    """The file's metadata and tensors: `GGUFFile` (fast), or gguf-py's `GGUFReader` (slow
-    for a large vocabulary) for files GGUFFile does not read. Read its fields with
-    `gguf_field`; both list `.tensors` alike."""
-    try:
-        return GGUFFile(path)
-    except ValueError as exc:
-        import gguf
-
-        log.info("reading %s with gguf.GGUFReader: %s", path, exc)
-        return gguf.GGUFReader(path)
-
-
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """Metadata field `key` of a file `open_gguf` opened, `default` where it is absent."""
-    if isinstance(reader, GGUFFile):
-        return reader.field(key, default)
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def llama3_scaling_from_rope_freqs(
-    rope_freqs: np.ndarray, head_dim: int, theta: float
-) -> RopeScaling | None:
-    """Recovers llama3 RopeScaling parameters from llama.cpp's `rope_freqs` divisors.
-
-    llama.cpp stores r_j with inv_freq_used = inv_freq_j / r_j, where r_j = 1 for short
-    wavelengths, `factor` for long ones and 1 / ((1 - s) / factor + s) in between, with
-    s = (L / wavelen - lo) / (hi - lo). That curve depends only on factor and the line
-    s(1 / wavelen), so any (L, lo, hi) on that line reproduces it: we fix lo = 1 and solve
-    L and hi, then check the result reproduces the tensor.
-    """
-    r = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
-    if r.shape[0] != head_dim // 2:
-        raise ValueError(
-            f"rope_freqs has {r.shape[0]} entries, expected head_dim/2={head_dim // 2}"
-        )
-    factor = float(r.max())
-    if np.allclose(r, 1.0, rtol=1e-6):
-        return None
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    tol = 1e-5
-    medium = (r > 1 + tol) & (r < factor * (1 - tol))
-    if medium.sum() >= 2:
-        s = (1.0 / r[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        a, b = np.polyfit(1.0 / wavelen[medium], s, 1)  # s = a / wavelen + b
-        if a <= 0 or b >= 0:
-            raise ValueError("rope_freqs does not follow the llama3 scaling curve")
-        hi_minus_lo = -1.0 / b  # with lo = 1: b = -lo / (hi - lo)
-        old_len = a * hi_minus_lo
-        scaling = RopeScaling(
-            "llama3",
-            factor=factor,
-            low_freq_factor=1.0,
-            high_freq_factor=1.0 + hi_minus_lo * round(old_len) / old_len,
-            original_max_position=int(round(old_len)),
-        )
-    elif medium.sum() == 0:
-        # a step: any boundaries between the last kept and the first divided wavelength
-        kept = wavelen[r <= 1 + tol]
-        divided = wavelen[r >= factor * (1 - tol)]
-        if kept.size and divided.size and kept.max() >= divided.min():
-            raise ValueError("rope_freqs does not follow the llama3 scaling curve")
-        lo_wl = float(kept.max()) if kept.size else 0.0
-        hi_wl = float(divided.min()) if divided.size else 2.0 * lo_wl + 1.0
-        old_len = max(1, math.floor(hi_wl * (1 - 1e-9)))
-        if old_len <= lo_wl:
-            raise ValueError("cannot place llama3 rope scaling boundaries for rope_freqs")
-        scaling = RopeScaling(
-            "llama3",
-            factor=factor,
-            low_freq_factor=1.0,
-            high_freq_factor=old_len / ((lo_wl + old_len) / 2),
-            original_max_position=old_len,
-        )
-    else:
-        # one interpolated frequency: s = (L / w - 1) / (hi - 1) fixes hi once L is placed
-        # between it and the first divided wavelength
-        w = float(wavelen[medium][0])
-        s = float((1.0 / r[medium][0] - 1.0 / factor) / (1.0 - 1.0 / factor))
-        divided = wavelen[r >= factor * (1 - tol)]
-        b = float(divided.min()) if divided.size else 2.0 * w + 2.0
-        old_len = math.floor((w + b) / 2)
-        if old_len <= w:
-            raise ValueError("cannot place llama3 rope scaling boundaries for rope_freqs")
-        scaling = RopeScaling(
-            "llama3",
-            factor=factor,
-            low_freq_factor=1.0,
-            high_freq_factor=1.0 + (old_len / w - 1.0) / s,
-            original_max_position=old_len,
-        )
-    from sarazmq.kernels.ops import rope_inv_freq
-
-    base = rope_inv_freq(head_dim, theta, None).double().numpy()
-    got = rope_inv_freq(head_dim, theta, scaling).double().numpy()
-    if not np.allclose(got, base / r, rtol=1e-4, atol=0):
-        raise ValueError("rope_freqs could not be reproduced by llama3 rope scaling parameters")
-    return scaling
-
-
-def gguf_model_config(reader: Any) -> ModelConfig:
-    """ModelConfig from the metadata (and rope_freqs tensor) of a file `open_gguf` opened."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {_GGUF_ARCHS}")
-
-    def key(name: str, default: Any = None) -> Any:
-        return gguf_field(reader, f"{arch}.{name}", default)
-
-    tensors = {t.name: t for t in reader.tensors}
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    kv_heads = int(key("attention.head_count_kv", heads))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary (rope dim {rope_dim} != head_dim {head_dim}) unsupported")
-    theta = float(key("rope.freq_base", 10000.0))
-    max_position = int(key("context_length", 2048))
-    vocab = key("vocab_size")
-    if vocab is None:
-        vocab = len(gguf_field(reader, "tokenizer.ggml.tokens", []))
-    scaling: RopeScaling | None = None
-    scaling_type = key("rope.scaling.type")
-    if scaling_type in (None, "none"):
-        linear = key("rope.scale_linear")
-        if linear is not None and float(linear) != 1.0:
-            scaling = RopeScaling("linear", factor=float(linear))
-    elif scaling_type == "linear":
-        scaling = RopeScaling("linear", factor=float(key("rope.scaling.factor", 1.0)))
-    else:
-        raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported")
-    if "rope_freqs.weight" in tensors:
-        if scaling is not None:
-            raise ValueError("GGUF has both rope_freqs and rope.scaling metadata")
-        t = tensors["rope_freqs.weight"]
-        from gguf.quants import dequantize
-
-        freqs = dequantize(t.data, t.tensor_type)
-        scaling = llama3_scaling_from_rope_freqs(freqs, head_dim, theta)
-    name = str(gguf_field(reader, "general.name", "")).lower()
-    if arch == "qwen2":
-        architecture = "Qwen2ForCausalLM"
-    elif arch == "mistral" or "mistral" in name:
-        architecture = "MistralForCausalLM"
-    else:
-        architecture = "LlamaForCausalLM"
-    eos: list[int] = []
-    for k in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        v = gguf_field(reader, f"tokenizer.ggml.{k}")
-        if v is not None:
-            eos.append(int(v))
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=theta,
-        max_position=max_position,
-        tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
-        rope_scaling=scaling,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-    )
 
 
 # ---------------------------------------------------------------------------- weights

@@ -10,59 +10,14 @@ from sarazmq.config import ModelConfig
 from sarazmq.kernels.kv_int8 import kv_cache_layout
 from sarazmq.kernels.memory import zeros_huge_pages
 
-
-def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
-    """ValueError unless tp_size >= 1 splits the heads, KV heads and MLP width evenly."""
-    if tp_size < 1:
-        raise ValueError(f"tp_size={tp_size} must be >= 1")
-    for field, value in (
-        ("num_heads", config.num_heads),
-        ("num_kv_heads", config.num_kv_heads),
-        ("intermediate_size", config.intermediate_size),
-    ):
-        if value % tp_size != 0:
-            raise ValueError(f"{field}={value} is not divisible by tp={tp_size}")
-
-
-def stage_layers(num_layers: int, pp_size: int = 1, pp_rank: int = 0) -> range:
-    """The layers pipeline stage `pp_rank` of `pp_size` holds: a contiguous, even split
-    in which the earlier stages take one layer more when pp_size does not divide
-    num_layers (10 layers over 4 stages: 3, 3, 2, 2). ValueError for a bad split."""
-    check_pipeline_parallel(num_layers, pp_size)
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank={pp_rank} must be in [0, {pp_size})")
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (1 if pp_rank < extra else 0))
-
-
-def check_pipeline_parallel(num_layers: int, pp_size: int) -> None:
-    """ValueError unless 1 <= pp_size <= num_layers (every stage holds a layer)."""
-    if pp_size < 1:
-        raise ValueError(f"pipeline_parallel_size={pp_size} must be >= 1")
-    if pp_size > num_layers:
-        raise ValueError(
-            f"pipeline_parallel_size={pp_size} exceeds the model's num_layers={num_layers}: "
-            "every pipeline stage needs at least one layer"
-        )
-
-
-def kv_cache_bytes_per_block(
-    config: ModelConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    tp_size: int = 1,
-    num_layers: int | None = None,
-    kv_cache_dtype: str = "auto",
-) -> int:
-    """Bytes one KV block takes on one rank, over its layers (K and V): all of them, or
-    `num_layers` (a pipeline stage's); dtype is the model's, kv_cache_dtype the cache's
-    ("auto": the model's; "int8": `sarazmq.kernels.kv_int8` rows)."""
-    check_tensor_parallel(config, tp_size)
-    cache_dtype, row = kv_cache_layout(kv_cache_dtype, dtype, config.head_dim)
-    elem = torch.empty((), dtype=cache_dtype).element_size()
-    per_layer = 2 * block_size * (config.num_kv_heads // tp_size) * row * elem
-    return per_layer * (config.num_layers if num_layers is None else num_layers)
+# how layers and heads split over ranks, and a block's bytes (torch-free, for the
+# launcher), here too for the callers that allocate caches
+from .partition import (  # noqa: F401
+    check_pipeline_parallel,
+    check_tensor_parallel,
+    kv_cache_bytes_per_block,
+    stage_layers,
+)
 
 
 def allocate_kv_cache(

