@@ -65,6 +65,41 @@ def test_chat_messages_use_template(frontend: FrontendService) -> None:
     assert len(add.prompt_token_ids) == len("<user>hi<assistant>")
 
 
+class RefusingTemplate(CharTokenizer):
+    """A chat template with its own checks (`raise_exception`), and an encoder that fails."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        if "crash" in text:
+            raise RuntimeError("tokenizer exploded")
+        return super().__call__(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        if messages[0]["role"] != "user":
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+
+
+def test_template_refusals_and_tokenizer_failures_answer_the_request() -> None:
+    # neither may leave the request unanswered (the client would wait for its timeout)
+    frontend = FrontendService(
+        PromptTokenizer(RefusingTemplate(), vocab_size=100, max_model_len=64)
+    )
+    req = GenerateRequest("r1", messages=[ChatMessage("assistant", "hi")])
+    acts = frontend.on_client_frame(b"c1", enc.encode(req))
+    ((who, reply),) = acts.to_clients
+    assert who == b"c1" and acts.to_scheduler == []
+    assert reply.request_id == "r1" and reply.finish_reason == "error"
+    assert reply.error_type == "invalid_request" and reply.error_field == "messages"
+    assert "chat template refused the conversation: Conversation roles must" in reply.error
+    acts = frontend.on_client_frame(b"c1", enc.encode(GenerateRequest("r2", prompt="crash")))
+    ((who, reply),) = acts.to_clients
+    assert reply.request_id == "r2" and reply.finish_reason == "error"
+    assert reply.error_type == "engine" and "tokenizer exploded" in reply.error
+    # and the next request goes through
+    acts = frontend.on_client_frame(b"c1", enc.encode(GenerateRequest("r3", prompt="fine")))
+    assert acts.to_clients == [] and len(acts.to_scheduler) == 1
+
+
 @pytest.mark.parametrize(
     ("req", "needle"),
     [

@@ -55,9 +55,16 @@ class PromptTokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Renders a conversation with the model's chat template, ready for the assistant's turn."""
         check_messages(messages)
-        rendered = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # noqa: BLE001 - the template's own checks (raise_exception)
+            # templates refuse conversations they were not written for (roles that do
+            # not alternate, a system message where none is allowed): the sender's error
+            raise InvalidRequestError(
+                f"the model's chat template refused the conversation: {e}", "messages"
+            ) from e
         ids = list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
         return self.check(ids, "messages")
 

@@ -274,6 +274,9 @@ class FrontendService:
                 ids = self.tokenizer.check(msg.prompt_token_ids or [], "prompt_token_ids")
         except InvalidRequestError as e:
             return fail(e.message, e.field)
+        except Exception as e:  # noqa: BLE001 - a tokenizer failure is this request's error
+            log.exception("tokenizing request %r failed", msg.request_id)
+            return fail(f"the engine could not tokenize the prompt: {e}", error_type=ERROR_ENGINE)
         add = AddRequest(
             request_id=eid, prompt_token_ids=ids, params=msg.params, arrival_time=self.clock()
         )
