@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .block_quant import BlockQuantWeight
-from .int8_dot import Int8Panels, int8_panels_take, pack_int8_panels
+from .int8_dot import Int8Panels, int8_dot_available, int8_panels_take, pack_int8_panels
 from .linear_amx import pack_tiles, tiles_cover
 from .ops import can_prepack_linear, prepack_linear
 
@@ -82,6 +82,8 @@ class LinearWeight(nn.Module):
         # Q4 blocks then also in the panels that kernel reads fastest (`set_int8_blocks`)
         self.int8_blocks = False
         self.int8_panels: Int8Panels | None = None
+        # True while `release_float_copies` left the int8 blocks as the only matmul weight
+        self.float_released = False
 
     @classmethod
     def empty(
@@ -149,6 +151,7 @@ class LinearWeight(nn.Module):
         self.blocks = None
         self.int8_blocks = False
         self.int8_panels = None
+        self.float_released = False
 
     # ------------------------------------------------------------------ other variants
 
@@ -203,6 +206,7 @@ class LinearWeight(nn.Module):
         self.blocks = None
         self.int8_blocks = False
         self.int8_panels = None
+        self.float_released = False
 
     def set_int8_blocks(self, on: bool) -> bool:
         """Whether rows read the blocks by int8 dot products (`int8_blocks`); the blocks are
@@ -213,6 +217,11 @@ class LinearWeight(nn.Module):
         self.int8_blocks = on
         if not on:
             self.int8_panels = None
+            if self.float_released and self.weight is None and self.blocks is not None:
+                # the blocks hold the plain weight exactly (`attach_blocks`); repacking
+                # it is the caller's (`prepack`)
+                self.weight = _as_parameter(self.blocks.dequantize().to(self.dtype))
+            self.float_released = False
         elif (
             self.int8_panels is None
             and self.blocks is not None
@@ -220,6 +229,23 @@ class LinearWeight(nn.Module):
         ):
             self.int8_panels = pack_int8_panels(self.blocks)
         return on
+
+    def release_float_copies(self) -> bool:
+        """Frees the float copies (the packed one, AMX tiles, and the plain weight unless
+        keep_plain) of a weight whose every row reads its blocks by int8 dot products
+        (`int8_blocks` on, the int8 kernels built): no matmul reads them then, and for a
+        large GGUF model they are most of the memory (float32: 4 bytes a weight, twice
+        over with the packed copy, against the blocks' ~0.6). `set_int8_blocks(False)`
+        rebuilds the plain weight from the blocks (exact); packing it again is the
+        caller's. Returns whether it released them (False where int8 is off)."""
+        if not (self.int8_blocks and self.blocks is not None and int8_dot_available()):
+            return False
+        self.packed = None
+        self.tiles = None
+        if not self.keep_plain:
+            self.weight = None
+        self.float_released = True
+        return True
 
     # ------------------------------------------------------------------ accounting
 

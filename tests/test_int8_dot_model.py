@@ -107,3 +107,39 @@ def test_int8_next_token_distributions_stay_close_to_float() -> None:
     print(f"int8 vs float32: {a}")
     assert a.top1_agreement >= 0.9 and a.mean_kl < 0.02, a
     assert 0 < a.max_kl < 0.5, a  # it is not the float path, and not far from it
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
+def test_int8_engine_frees_the_float_copies_and_float_rebuilds_them() -> None:
+    """An engine with int8 GGUF matmuls keeps no float copy the int8 kernels do not read
+    (the packed float32 matmuls were most of its weight memory); switching the model to
+    "float" rebuilds them from the blocks: the float engine's exact outputs, and back."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    kwargs = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, num_threads=1)
+    reference = LLM(gguf_matmul="float", **kwargs)
+    float_outs = reference.generate(PROMPTS[:3], greedy)
+    float_bytes = reference.engine.runner.model.weight_bytes()
+    del reference
+    llm = LLM(gguf_matmul="int8", **kwargs)
+    model = llm.engine.runner.model
+    held = model.weight_bytes()
+    assert held["packed"] == 0 and held["int8_panels"] > 0
+    assert held["plain"] < float_bytes["plain"] + float_bytes["packed"] // 4
+    for name, w in model.matmul_weights():
+        assert w.int8_blocks and w.float_released, name
+        assert w.has_plain == w.keep_plain, name  # only the tied embedding stays
+    int8_outs = llm.generate(PROMPTS[:3], greedy)
+
+    def same(a: list, b: list) -> bool:
+        return [(o.token_ids, o.logprobs) for o in a] == [(o.token_ids, o.logprobs) for o in b]
+
+    model.set_gguf_matmul("float")
+    assert model.weight_bytes() == float_bytes
+    assert same(llm.generate(PROMPTS[:3], greedy), float_outs)
+    # int8 again: the same as before, with the float copies kept or released
+    model.set_gguf_matmul("int8")
+    assert same(llm.generate(PROMPTS[:3], greedy), int8_outs)
+    model.set_gguf_matmul("int8", release_float_copies=True)
+    assert model.weight_bytes() == held
+    assert same(llm.generate(PROMPTS[:3], greedy), int8_outs)

@@ -185,6 +185,32 @@ def test_bad_inputs_raise() -> None:
         int8_panels_linear(torch.zeros(2, 64), torch.zeros(8, 64))  # type: ignore[arg-type]
 
 
+def test_released_float_copies_leave_int8_results_and_come_back_exactly() -> None:
+    from sarazmq.kernels.cpu_ops import NativeCpuOps
+
+    ops = NativeCpuOps()
+    for type_name in ("Q4_1", "Q8_0"):
+        blocks = _weight(40, 64, type_name, 9)
+        plain = blocks.dequantize()
+        w = LinearWeight(plain.clone())
+        w.attach_blocks(blocks, "w")
+        w.prepack()
+        assert not w.release_float_copies()  # int8 off: the float copies are read
+        assert w.set_int8_blocks(True)
+        x = _x(5, 64, 3)
+        before = [ops.linear(x[:n], w) for n in (1, 5)]  # within and past the GEMV rows
+        assert w.release_float_copies() and w.float_released
+        assert not w.has_plain and w.packed is None
+        assert all(torch.equal(ops.linear(x[:n], w), b) for n, b in zip((1, 5), before))
+        assert not w.set_int8_blocks(False) and not w.float_released
+        assert w.has_plain and torch.equal(w.plain, plain)  # rebuilt, bit for bit
+    # a plain weight needed elsewhere (a tied embedding) stays
+    tied = LinearWeight(plain.clone(), keep_plain=True)
+    tied.attach_blocks(blocks, "tied")
+    tied.set_int8_blocks(True)
+    assert tied.release_float_copies() and tied.has_plain
+
+
 def test_owner_builds_panels_for_int8_and_reads_them() -> None:
     blocks = _weight(40, 64, "Q4_1", 5)
     w = LinearWeight(blocks.dequantize())

@@ -465,7 +465,7 @@ class LlamaForCausalLM(nn.Module):
         self.one_call_steps.forget()  # rebuilt with the blocks
         return count
 
-    def set_gguf_matmul(self, mode: str) -> int:
+    def set_gguf_matmul(self, mode: str, release_float_copies: bool = False) -> int:
         """How matmuls on the quantized blocks compute (`EngineConfig.gguf_matmul`):
         "float" (the float32 weights rebuilt: bitwise the plain model) or "int8" (every row
         of a float32 model by int8 dot products, sarazmq.kernels.int8_dot: llama.cpp's
@@ -474,12 +474,26 @@ class LlamaForCausalLM(nn.Module):
         take int8. The fused decode step (decode-only steps, `fused_decode`) then reads
         the Q4 matmuls as int8 panels too (`LinearWeight.int8_panels`; Q8 ones keep its
         float block kernel). ValueError for another mode ("auto" is resolved before the
-        model is built)."""
+        model is built).
+
+        release_float_copies (with "int8"): frees the float copies no matmul reads any more
+        (`LinearWeight.release_float_copies`: the packed and plain weights of every int8
+        matmul; the tied embedding stays); "float" later rebuilds them from the blocks
+        (exactly) and packs them again, as `prepack_linear_weights(drop_unused_plain=True)`
+        does."""
         if mode not in ("float", "int8"):
             raise ValueError(f"unknown gguf_matmul {mode!r}; choose 'float' or 'int8'")
         count = 0
+        tiles = self.attention.ops.reads_tiles
         for _, w in self.matmul_weights():
+            released = w.float_released
             count += w.set_int8_blocks(mode == "int8")
+            if mode == "int8" and release_float_copies:
+                w.release_float_copies()
+            elif released and mode == "float":
+                w.prepack(tiles=tiles)
+                if self._plain_unused(w):
+                    w.drop_plain()
         self.one_call_steps.forget()
         return count
 
