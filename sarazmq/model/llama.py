@@ -336,12 +336,15 @@ class LlamaForCausalLM(nn.Module):
         drop_unused_plain: free each weight's plain copy as soon as it is packed where no
         path reads it any more (as `drop_unused_plain_weights`), so that memory peaks at
         the model plus one packed weight, not two copies of the model (a 7B model in bf16
-        on a 23 GB machine). Returns whether weights were packed.
+        on a 23 GB machine). Weights whose float copies int8 matmuls released
+        (`set_gguf_matmul`) are left as they are. Returns whether weights were packed.
         """
         tiles = self.attention.ops.reads_tiles
         self.one_call_steps.forget()  # rebuilt for what the per-op path reads
         packed = []
         for _, w in self.matmul_weights():
+            if w.float_released:
+                continue  # int8 rows read its blocks: nothing would read a pack
             packed.append(w.prepack(tiles=tiles))
             if drop_unused_plain and self._plain_unused(w):
                 w.drop_plain()

@@ -66,14 +66,14 @@ def build_model_runner(
         pp_rank=placement.pp_rank,
         pp_size=placement.pp_size,
     )
+    # int8 GGUF matmuls (the config is resolved: "float" or "int8"): every matmul on Q4/Q8
+    # blocks by integer dot products, the fused decode step's included (on Q4 panels); the
+    # float copies they never read are freed (and so never packed below)
+    int8_matmuls = model.set_gguf_matmul(config.gguf_matmul, release_float_copies=True)
     # on CPU: oneDNN-packed matmul weights (faster matmuls; see can_prepack_linear); then
     # the plain copies that no path reads any more (packed for many rows, the GGUF's
     # blocks for decode rows) are freed: the same results in less memory (docs/KERNELS.md)
     model.prepack_linear_weights(drop_unused_plain=True)
-    # int8 GGUF matmuls (the config is resolved: "float" or "int8"): every matmul on Q4/Q8
-    # blocks by integer dot products, the fused decode step's included (on Q4 panels); the
-    # float copies they no longer read are freed (the packed ones: 4 bytes a weight)
-    int8_matmuls = model.set_gguf_matmul(config.gguf_matmul, release_float_copies=True)
     if int8_matmuls:
         log.info("worker %d: %d GGUF matmuls by int8 dot products", rank, int8_matmuls)
     model.fused_decode = not config.enforce_eager
