@@ -133,9 +133,13 @@ async def serve(spec: ProcSpec, ready: Callable[..., None]) -> None:
                     )
                 else:
                     acts = frontend.on_client_frame(identity, frames[1])
-                await apply(acts)
-            except Exception:  # noqa: BLE001 - one bad client must not take the endpoint down
+            except Exception as e:  # noqa: BLE001 - one bad client must not take the endpoint down
                 log.exception("error handling a message from client %s", identity.hex())
+                acts = frontend.handler_failed(identity, frames[-1], e)
+            try:
+                await apply(acts)
+            except Exception:  # noqa: BLE001 - as above
+                log.exception("error answering a message from client %s", identity.hex())
 
     async def from_engine() -> None:
         while True:

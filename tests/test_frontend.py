@@ -100,6 +100,17 @@ def test_template_refusals_and_tokenizer_failures_answer_the_request() -> None:
     assert acts.to_clients == [] and len(acts.to_scheduler) == 1
 
 
+def test_a_failed_handler_answers_the_request_or_the_client(frontend: FrontendService) -> None:
+    # what the process loop sends when handling a frame raised (procs/frontend.py)
+    err = KeyError("route")
+    frame = enc.encode(GenerateRequest("r9", prompt="hi"))
+    ((who, reply),) = frontend.handler_failed(b"c1", frame, err).to_clients
+    assert who == b"c1" and reply.request_id == "r9" and reply.finish_reason == "error"
+    assert reply.error_type == "engine" and "KeyError: 'route'" in reply.error
+    ((who, reply),) = frontend.handler_failed(b"c2", b"\xc1 garbage", err).to_clients
+    assert who == b"c2" and isinstance(reply, ProtocolError) and "KeyError" in reply.error
+
+
 @pytest.mark.parametrize(
     ("req", "needle"),
     [

@@ -1,4 +1,4 @@
-"""The reply to a client frame that is not a valid `ClientMessage`."""
+"""The reply to a client frame that is not a valid `ClientMessage`, or whose handling failed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import msgspec
 
 from sarazmq.frontend.actions import REJECT_INVALID
 from sarazmq.protocol.client import ClientMessage, OutputDelta, ProtocolError
-from sarazmq.protocol.common import ERROR_INVALID, FINISH_ERROR
+from sarazmq.protocol.common import ERROR_ENGINE, ERROR_INVALID, FINISH_ERROR
 from sarazmq.validation import InvalidRequestError, find_invalid_field
 
 
@@ -43,3 +43,22 @@ def invalid_frame_reply(
         error_type=ERROR_INVALID,
     )
     return reply, text
+
+
+def handler_failed_reply(frame: bytes, err: Exception) -> OutputDelta | ProtocolError:
+    """The reply to a frame whose handling raised inside the frontend (a bug, not the
+    sender's input): an engine error to its request id where one can be read, else a
+    `ProtocolError`, so that the sender is answered instead of waiting for its timeout."""
+    text = f"the engine failed handling this message: {type(err).__name__}: {err}"[:1000]
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except Exception:  # noqa: BLE001 - no readable id
+        raw = None
+    if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+        return OutputDelta(
+            request_id=raw["request_id"][:256],
+            finish_reason=FINISH_ERROR,
+            error=text,
+            error_type=ERROR_ENGINE,
+        )
+    return ProtocolError(error=text)

@@ -33,7 +33,7 @@ from sarazmq.frontend.actions import (
 )
 from sarazmq.frontend.fanout import Fanout, fan_out, split_part_id
 from sarazmq.frontend.prompts import PromptTokenizer
-from sarazmq.frontend.rejects import invalid_frame_reply
+from sarazmq.frontend.rejects import handler_failed_reply, invalid_frame_reply
 from sarazmq.frontend.routes import Route, Routes, engine_id
 from sarazmq.protocol.client import (
     AbortRequest,
@@ -205,6 +205,15 @@ class FrontendService:
         self.num_frames += 1
         self._count_rejection(kind, error)
         acts.to_clients.append((identity, ProtocolError(error=f"invalid message: {error}")))
+        return acts
+
+    def handler_failed(self, identity: bytes, frame: bytes, err: Exception) -> FrontendActions:
+        """The answer to a frame whose handling raised (a bug here, not the sender's
+        input): an engine error to its request id where one can be read, else a
+        `ProtocolError` (`rejects.handler_failed_reply`), so that the sender is answered
+        instead of waiting for its timeout."""
+        acts = FrontendActions()
+        acts.to_clients.append((identity, handler_failed_reply(frame, err)))
         return acts
 
     def _count_rejection(self, kind: str, error: str) -> None:
