@@ -23,8 +23,9 @@ A matmul weight [out_features, in_features] of the model can be held four ways:
 The owner keeps them together with the weight's optional bias, reports the bytes
 each holds (`variant_bytes`), and can free the plain copy (`drop_plain`) once every path
 that would read it reads another variant (which paths read what is the ops' call,
-`HotOps.needs_plain`). Its shape, dtype and device stay known after the plain copy is
-gone.
+`HotOps.needs_plain`), or every float copy (`release_float_copies`) while int8 dot
+products read the blocks for every row; turning int8 off rebuilds the plain weight from
+the blocks. Its shape, dtype and device stay known after the plain copy is gone.
 """
 
 from __future__ import annotations
