@@ -20,7 +20,24 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != _ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 
+import torch  # noqa: E402
 from http_fixtures import HTTPServer, start_http_server  # noqa: E402 (after the path fix)
+
+# torch's intra-op (and OpenMP) thread count as the session starts, before any module or
+# engine changes it: every test starts from it again (`_torch_threads`)
+_SESSION_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test runs on the session's thread count, or on one thread in a module marked
+    `one_torch_thread`; what a test or an in-process engine (`num_threads`) sets is undone
+    after it. (Module-level `torch.set_num_threads(1)` calls used to run at collection and
+    leave every in-process test of the session on one of the two cores.)"""
+    one = request.node.get_closest_marker("one_torch_thread") is not None
+    torch.set_num_threads(1 if one else _SESSION_THREADS)
+    yield
+    torch.set_num_threads(_SESSION_THREADS)
 
 
 @pytest.fixture(scope="session")

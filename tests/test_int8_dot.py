@@ -23,9 +23,10 @@ from sarazmq.kernels.int8_dot import (
     quantize_activations_reference,
 )
 
-torch.set_num_threads(1)
-
-pytestmark = pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
+pytestmark = [
+    pytest.mark.one_torch_thread,
+    pytest.mark.skipif(not int8_dot_available(), reason="no C compiler"),
+]
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 PORTABLE = [False, True] if int8_dot_avx2() else [True]

@@ -19,7 +19,8 @@ from sarazmq.model.loader import load_model, load_model_config, load_tokenizer, 
 from sarazmq.options import EngineOptions, option_flags
 from sarazmq.perf.token_agreement import pooled, teacher_forced_logits
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.one_torch_thread
+
 
 PROMPTS = [
     "The capital of France is",

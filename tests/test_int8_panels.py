@@ -34,9 +34,10 @@ from sarazmq.kernels.int8_dot import (
 from sarazmq.kernels.linear_weight import LinearWeight
 from sarazmq.kernels.native import cpu_has_flag
 
-torch.set_num_threads(1)
-
-pytestmark = pytest.mark.skipif(not int8_dot_available(), reason="no C compiler")
+pytestmark = [
+    pytest.mark.one_torch_thread,
+    pytest.mark.skipif(not int8_dot_available(), reason="no C compiler"),
+]
 
 
 def _unpack(panels: Int8Panels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

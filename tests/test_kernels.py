@@ -19,7 +19,7 @@ from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.ops import apply_rope, build_rope_cache, rms_norm, rope_inv_freq
 from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.one_torch_thread
 
 
 def _scenario(

@@ -27,8 +27,6 @@ from sarazmq.model.loader import (
 )
 from sarazmq.model.model_config import llama3_scaling_from_rope_freqs, model_config_from_hf_dict
 
-torch.set_num_threads(1)
-
 BLOCK = 4
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 120, 64, 1, 88, 23, 57, 11, 2, 101, 33]
 
@@ -42,6 +40,8 @@ TINY = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-5,
 )
+
+pytestmark = pytest.mark.one_torch_thread
 
 
 def _save_hf(tmp: Path, kind: str) -> Path:
@@ -485,7 +485,6 @@ from sarazmq.kernels import TorchPagedAttention
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.model.kv_cache import allocate_kv_cache
 from sarazmq.model.loader import resolve_model, load_model_config, load_model
-torch.set_num_threads(1)
 rank, world, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", rank=rank, world_size=world)
 src = resolve_model(path)

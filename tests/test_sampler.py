@@ -19,7 +19,8 @@ from sarazmq.worker.sampler import (
     draw_seed,
 )
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.one_torch_thread
+
 NEG_INF = float("-inf")
 
 

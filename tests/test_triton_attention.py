@@ -38,7 +38,7 @@ else:
 if not ta.INTERPRETED:  # imported earlier in this process without the interpreter
     pytest.skip("the Triton kernels were built for a GPU in this process", allow_module_level=True)
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.one_torch_thread
 
 
 @pytest.fixture(autouse=True)
