@@ -195,10 +195,10 @@ def _compile(cc: str, flags: tuple[str, ...], sources: list[Path], target: Path)
             return subprocess.run(cmd, capture_output=True, timeout=300)
 
         # the biggest sources first, so that no long compile starts last
-        order = sorted(range(len(sources)), key=lambda i: -sources[i].stat().st_size)
+        pairs = sorted(zip(sources, objects), key=lambda p: -p[0].stat().st_size)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            done = list(pool.map(run, [sources[i] for i in order], [objects[i] for i in order]))
-        for src, proc in zip([sources[i] for i in order], done):
+            done = list(pool.map(run, *zip(*pairs)))
+        for (src, _), proc in zip(pairs, done):
             if proc.returncode != 0:
                 err = proc.stderr.decode(errors="replace")[-2000:]
                 raise OSError(f"{cc} failed on {src.name}: {err}")

@@ -20,12 +20,8 @@ def invalid_frame_reply(
     rid = None
     invalid: InvalidRequestError | None = None
     if kind == REJECT_INVALID:  # undecodable frames have no readable id by definition
-        try:
-            raw = msgspec.msgpack.decode(frame)
-        except Exception:  # noqa: BLE001 - any garbage is just "no id"
-            raw = None
-        if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
-            rid = raw["request_id"][:256]
+        raw = _raw(frame)
+        rid = _request_id(raw)
         if raw is not None:
             invalid = find_invalid_field(raw, ClientMessage)
     if invalid is not None:
@@ -50,15 +46,27 @@ def handler_failed_reply(frame: bytes, err: Exception) -> OutputDelta | Protocol
     sender's input): an engine error to its request id where one can be read, else a
     `ProtocolError`, so that the sender is answered instead of waiting for its timeout."""
     text = f"the engine failed handling this message: {type(err).__name__}: {err}"[:1000]
-    try:
-        raw = msgspec.msgpack.decode(frame)
-    except Exception:  # noqa: BLE001 - no readable id
-        raw = None
-    if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+    rid = _request_id(_raw(frame))
+    if rid is not None:
         return OutputDelta(
-            request_id=raw["request_id"][:256],
+            request_id=rid,
             finish_reason=FINISH_ERROR,
             error=text,
             error_type=ERROR_ENGINE,
         )
     return ProtocolError(error=text)
+
+
+def _raw(frame: bytes) -> object:
+    """The frame as plain msgpack data, None where it is not msgpack."""
+    try:
+        return msgspec.msgpack.decode(frame)
+    except Exception:  # noqa: BLE001 - any garbage is just "nothing readable"
+        return None
+
+
+def _request_id(raw: object) -> str | None:
+    """The request id a decoded frame carries (at most 256 characters), if it has one."""
+    if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+        return raw["request_id"][:256]
+    return None
