@@ -68,7 +68,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if native_prefill is None:
             native_prefill = prefill_amx_available() or not cpu_has_flag("amx_bf16")
         self.native_prefill = native_prefill
-        # int8 caches: each chunk's context blocks dequantized to bf16 ("k", "v")
+        # int8 caches: each chunk's context blocks dequantized to its dtype ("k", "v")
         self._dequant_buffers: dict[str, torch.Tensor] = {}
         # the model takes its fused elementwise ops and matmuls from here
         self.ops: HotOps
@@ -178,15 +178,15 @@ class CpuPagedAttention(TorchPagedAttention):
     def _dequantized(
         self, which: str, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """An int8 cache's blocks `table` (int32) in `dtype`: for bf16 in C into the reusable
-        bf16 buffer `which` (the scratch buffers are in the cache's dtype), else torch's
-        `_gather` (a new tensor)."""
+        """An int8 cache's blocks `table` (int32) in `dtype`: for bf16 and float32 in C into
+        the reusable buffer `which` of that dtype (the scratch buffers are in the cache's
+        dtype), else torch's `_gather` (a new tensor)."""
         n, (_, block_size, hkv, row) = table.numel(), cache.shape
-        if dtype == torch.bfloat16:
+        if dtype in (torch.bfloat16, torch.float32):
             shape = (n, block_size, hkv, row - INT8_SCALE_BYTES)
             elems = math.prod(shape)
             buf = self._dequant_buffers.get(which)
-            if buf is None or buf.numel() < elems:
+            if buf is None or buf.numel() < elems or buf.dtype != dtype:
                 buf = self._dequant_buffers[which] = torch.empty(elems, dtype=dtype)
             out = buf[:elems].view(shape)
             if dequantize_kv_blocks_native(cache, table.contiguous(), out):

@@ -73,19 +73,19 @@ class _Kernels:
     """The attention kernels' C entry points with their signatures, resolved once."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        # by query dtype: over caches of that dtype, and over int8 cache rows
+        # (sarazmq.kernels.kv_int8), the same arguments
         self.decode: dict[torch.dtype, ctypes._CFuncPtr] = {}
-        for dtype, sym in (
-            (torch.float32, "paged_decode_attention_f32"),
-            (torch.bfloat16, "paged_decode_attention_bf16"),
+        self.decode_int8: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        for dtype, sym, int8_sym in (
+            (torch.float32, "paged_decode_attention_f32", "paged_decode_attention_i8_f32"),
+            (torch.bfloat16, "paged_decode_attention_bf16", "paged_decode_attention_i8_bf16"),
         ):
-            fn = getattr(lib, sym)
-            fn.argtypes = _ARGTYPES
-            fn.restype = _c_int
-            self.decode[dtype] = fn
-        # bf16 queries over int8 cache rows (sarazmq.kernels.kv_int8), the same arguments
-        self.decode_int8 = lib.paged_decode_attention_i8_bf16
-        self.decode_int8.argtypes = _ARGTYPES
-        self.decode_int8.restype = _c_int
+            for table, name in ((self.decode, sym), (self.decode_int8, int8_sym)):
+                fn = getattr(lib, name)
+                fn.argtypes = _ARGTYPES
+                fn.restype = _c_int
+                table[dtype] = fn
         self.prefill_bf16 = lib.prefill_attention_bf16
         self.prefill_bf16.argtypes = _PREFILL_ARGTYPES
         self.prefill_bf16.restype = _c_int
@@ -178,7 +178,8 @@ def paged_decode_attention(
 
     q: [nd, H, D] (token stride free, heads contiguous); k_cache, v_cache:
     [num_blocks, block_size, Hkv, D] contiguous, of q's dtype, or int8 rows
-    [..., D + 4] (`sarazmq.kernels.kv_int8`: bf16 q, head size 64 or 128, AVX-512);
+    [..., D + 4] (`sarazmq.kernels.kv_int8`: head size 64 or 128; bf16 q on AVX-512,
+    float32 q on AVX-512 or AVX2);
     block_tables: [>= nd, max_blocks] int32; seq_lens: [>= nd] int32, keys per sequence
     (>= 1, this step's token already written). Returns [nd, H, D] in q's dtype.
     """
@@ -187,8 +188,8 @@ def paged_decode_attention(
         return None
     nd, h, d = q.shape
     if k_cache.dtype == torch.int8:
-        int8_rows = q.dtype == torch.bfloat16 and k_cache.shape[-1] == d + INT8_SCALE_BYTES
-        fn = kernels.decode_int8 if int8_rows else None
+        int8_rows = k_cache.shape[-1] == d + INT8_SCALE_BYTES
+        fn = kernels.decode_int8.get(q.dtype) if int8_rows else None
     else:
         fn = kernels.decode.get(q.dtype) if k_cache.dtype == q.dtype else None
     if fn is None or nd == 0:

@@ -258,10 +258,8 @@ class FusedDecodeStep:
             raise ValueError("fused decode step: int8 panels need a float32 model")
         if any(isinstance(t, Int8Panels) and t.kind != "q4" for t in blocks):
             raise ValueError("fused decode step: it reads Q4 int8 panels only (Q8: blocks)")
-        # int8 caches (rows of D int8 values and their scale): bf16 steps only
+        # int8 caches (rows of D int8 values and their scale)
         self.kv_int8 = all(is_int8_cache(t) for t in cache_tensors)
-        if self.kv_int8 and dtype != torch.bfloat16:
-            raise ValueError("fused decode step: int8 KV caches need a bf16 model")
         cache_dtype = torch.int8 if self.kv_int8 else dtype
         for group, want in ((tensors, dtype), (cache_tensors, cache_dtype)):
             for t in group:

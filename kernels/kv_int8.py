@@ -11,9 +11,9 @@ token's one KV head, D int8 values q then the float32 scale s (its 4 bytes), x ~
 Symmetric per row: s = max|x| / 127, q = round-half-even(x * (127 / max|x|)).
 `quantize_kv_rows` / `dequantize_kv_rows` are the plain PyTorch reference and the torch
 backend's path; kernels/csrc/kv_int8.c writes the same bytes and dequantizes a prefill
-chunk's context blocks to the same bf16 bits, and the decode attention kernel
-(kernels/csrc/cpu_attention.c, `paged_decode_attention` for int8 caches) reads the rows
-directly.
+chunk's context blocks to the same bf16 or float32 bits, and the decode attention kernels
+(kernels/csrc/cpu_attention.c and, on AVX2 CPUs, decode_attention_avx2.c;
+`paged_decode_attention` for int8 caches) read the rows directly.
 """
 
 from __future__ import annotations
@@ -68,9 +68,16 @@ class _Kernels:
         self.write = lib.write_kv_cache_int8
         self.write.argtypes = [p, n, p, n, p, p, p, n, i, i, i, n]
         self.write.restype = i
-        self.dequantize_blocks = lib.dequantize_kv_blocks_int8_bf16
-        self.dequantize_blocks.argtypes = [p, p, n, i, i, i, n, p]
-        self.dequantize_blocks.restype = i
+        # by the dtype it writes
+        self.dequantize_blocks: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        for dtype, name in (
+            (torch.bfloat16, "dequantize_kv_blocks_int8_bf16"),
+            (torch.float32, "dequantize_kv_blocks_int8_f32"),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, p, n, i, i, i, n, p]
+            fn.restype = i
+            self.dequantize_blocks[dtype] = fn
 
 
 _kernels: list[_Kernels | None] = []  # [resolved kernels or None], filled on first use
@@ -137,8 +144,8 @@ def dequantize_kv_blocks_native(
     cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor
 ) -> bool:
     """cache[blocks] of an int8 cache [num_blocks, block_size, Hkv, D + 4] dequantized in C
-    into out, bf16 [len(blocks), block_size, Hkv, D]: the bits `dequantize_kv_rows(...,
-    torch.bfloat16)` gives. False (nothing written) where the kernel does not apply;
+    into out, bf16 or float32 [len(blocks), block_size, Hkv, D]: the bits
+    `dequantize_kv_rows(..., out.dtype)` gives. False (nothing written) where the kernel does not apply;
     IndexError for a block id outside the cache (nothing written)."""
     kernels = _get()
     if (
@@ -150,14 +157,14 @@ def dequantize_kv_blocks_native(
         or blocks.dtype != torch.int32
         or blocks.dim() != 1
         or not blocks.is_contiguous()
-        or out.dtype != torch.bfloat16
+        or out.dtype not in kernels.dequantize_blocks
         or not out.is_contiguous()
         or tuple(out.shape)
         != (blocks.numel(), *cache.shape[1:3], cache.shape[3] - INT8_SCALE_BYTES)
     ):
         return False
     num_blocks, block_size, hkv, row = cache.shape
-    rc = kernels.dequantize_blocks(
+    rc = kernels.dequantize_blocks[out.dtype](
         cache.data_ptr(),
         blocks.data_ptr(),
         blocks.numel(),

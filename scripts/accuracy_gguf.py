@@ -1,6 +1,7 @@
-"""Accuracy of the integer-dot GGUF path (`gguf_matmul="int8"`) and of llama.cpp on the same
-GGUF file, against our float32 path: teacher-forced next-token distributions over a fixed
-set of texts (sarazmq.perf.token_agreement), as top-1 agreement and KL(float32 || path).
+"""Accuracy of the integer-dot GGUF path (`gguf_matmul="int8"`), of the int8 KV cache
+(`kv_cache_dtype="int8"`, with either matmul path) and of llama.cpp on the same GGUF file,
+against our float32 path: teacher-forced next-token distributions over a fixed set of
+texts (sarazmq.perf.token_agreement), as top-1 agreement and KL(float32 || path).
 
     python scripts/accuracy_gguf.py [--chunk 512] [--threads 2]
     # llama.cpp's row: its Python binding importable, e.g. from llama-cpp-python's sdist
@@ -128,11 +129,19 @@ def main() -> None:
     model.prepack_linear_weights()  # as a worker serves it (build_model_runner)
 
     logits: dict[str, list[torch.Tensor]] = {}
-    for mode in ("float", "int8"):
+    for mode, kv_cache_dtype in (
+        ("float", "auto"),
+        ("int8", "auto"),
+        ("float", "int8"),
+        ("int8", "int8"),
+    ):
         if model.set_gguf_matmul(mode) == 0 and mode == "int8":
             print("int8: no GGUF matmul takes the integer path on this build; skipped")
             continue
-        logits[mode] = [teacher_forced_logits(model, ids, args.chunk) for ids in texts]
+        name = mode if kv_cache_dtype == "auto" else f"{mode}+kv_int8"
+        logits[name] = [
+            teacher_forced_logits(model, ids, args.chunk, kv_cache_dtype) for ids in texts
+        ]
     peer = llama_cpp_logits(source.gguf_path, texts, args.threads, args.chunk)
     if isinstance(peer, str):
         print(f"llama.cpp: skipped, {peer}")
@@ -150,7 +159,12 @@ def main() -> None:
     for name, outs in logits.items():
         a = pooled(list(zip(reference, outs, texts, strict=True)))
         results[name] = a.to_dict()
-        label = {"float": "sarazmq float32", "int8": "sarazmq int8 dot"}.get(name, name)
+        label = {
+            "float": "sarazmq float32",
+            "int8": "sarazmq int8 dot",
+            "float+kv_int8": "sarazmq float32, int8 KV cache",
+            "int8+kv_int8": "sarazmq int8 dot, int8 KV cache",
+        }.get(name, name)
         print(row(label, a))
     if args.json:
         with open(args.json, "w") as f:

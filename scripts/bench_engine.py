@@ -76,11 +76,16 @@ from engine_bench.common import (
     measure_machine,
 )
 from engine_bench.cost import model_cost
-from engine_bench.report import Measured, print_int8_report, print_report
+from engine_bench.report import (
+    Measured,
+    print_int8_report,
+    print_kv_int8_report,
+    print_report,
+)
 from engine_bench.runner_bench import RunnerBench
 
 from sarazmq import LLM, SamplingParams
-from sarazmq.config import GGUF_MATMULS, LOAD_FORMATS
+from sarazmq.config import GGUF_MATMULS, KV_CACHE_DTYPES, LOAD_FORMATS
 from sarazmq.kernels.int8_dot import probe_peak_macs
 from sarazmq.options import EngineOptions
 
@@ -96,35 +101,42 @@ DEFAULT_E2E_TRACE = os.path.join(
 
 
 def measure_gguf_matmuls(
-    llm: LLM, bench: RunnerBench, runs: int
-) -> tuple[dict[str, float], dict[str, float]] | None:
+    llm: LLM, bench: RunnerBench, runs: int, kv_int8: RunnerBench | None = None
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]] | None:
     """The --int8 rows (prefill, decode at 16 and 64 running, hybrid and its chunk), each
     timed with the model's GGUF matmuls set to "float" and to "int8" in turn (the same
-    run, alternated row by row), then set back to the engine's choice: (float, int8);
-    None where no weight takes int8."""
+    run, alternated row by row), then set back to the engine's choice: (float, int8,
+    kv_int8), the last the same rows of `kv_int8` (a second engine, int8 matmuls over an
+    int8 KV cache) timed after each pair, empty without one; None where no weight takes
+    int8."""
     model = llm.engine.runner.model
     engine_mode = llm.engine.config.gguf_matmul
     if model.set_gguf_matmul("int8") == 0:
         model.set_gguf_matmul(engine_mode)
         return None
-    rows: dict[str, dict[str, float]] = {"float": {}, "int8": {}}
+    rows: dict[str, dict[str, float]] = {"float": {}, "int8": {}, "kv_int8": {}}
+    keys = ["prefill_chunked", "prefill_single", *(f"decode_{n}" for n in INT8_DECODE_BATCHES)]
     try:
-        for mode in ("float", "int8"):
-            model.set_gguf_matmul(mode)
-            rows[mode]["prefill_chunked"] = bench.prefill(PREFILL_CHUNK, runs)
-        for mode in ("float", "int8"):
-            model.set_gguf_matmul(mode)
-            rows[mode]["prefill_single"] = bench.prefill(PROMPT_LEN, runs)
-        for b in INT8_DECODE_BATCHES:
+        for key in [*keys, "hybrid"]:
             for mode in ("float", "int8"):
                 model.set_gguf_matmul(mode)
-                rows[mode][f"decode_{b}"] = bench.decode(b, runs)
-        for mode in ("float", "int8"):
-            model.set_gguf_matmul(mode)
-            rows[mode]["hybrid"], rows[mode]["chunk"], _ = bench.hybrid(runs)
+                _measure_into(rows[mode], key, bench, runs)
+            if kv_int8 is not None:
+                _measure_into(rows["kv_int8"], key, kv_int8, runs)
     finally:
         model.set_gguf_matmul(engine_mode)
-    return rows["float"], rows["int8"]
+    return rows["float"], rows["int8"], rows["kv_int8"]
+
+
+def _measure_into(row: dict[str, float], key: str, bench: RunnerBench, runs: int) -> None:
+    """Times the --int8 shape `key` on `bench` into `row` (the hybrid shape: the hybrid
+    step and its chunk alone)."""
+    if key == "hybrid":
+        row["hybrid"], row["chunk"], _ = bench.hybrid(runs)
+    elif key.startswith("decode_"):
+        row[key] = bench.decode(int(key.removeprefix("decode_")), runs)
+    else:
+        row[key] = bench.prefill(PREFILL_CHUNK if key == "prefill_chunked" else PROMPT_LEN, runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,9 +164,21 @@ def main(argv: list[str] | None = None) -> int:
         help="as `sarazmq serve --gguf-matmul`, for the main table",
     )
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="as `sarazmq serve --kv-cache-dtype`, for every row of ours",
+    )
+    ap.add_argument(
         "--int8",
         action="store_true",
         help="also float against int8 GGUF matmuls, row by row (a GGUF model in float32)",
+    )
+    ap.add_argument(
+        "--int8-kv-cache",
+        action="store_true",
+        help="with --int8: also int8 matmuls over an int8 KV cache (a second engine, its "
+        "rows timed beside the float / int8 pair)",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows")
@@ -170,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--runs={args.runs} must be >= 1")
     if args.int8 and args.dtype != "float32":
         ap.error("--int8 compares against the float32 path: use --dtype float32")
+    if args.int8_kv_cache and not args.int8:
+        ap.error("--int8-kv-cache adds a column to the --int8 rows: pass --int8 too")
     runs = 2 if args.quick else args.runs
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -178,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bench_engine: model={args.model} load_format={args.load_format} "
         f"dtype={args.dtype} runs={runs} threads={torch.get_num_threads()} "
-        f"attention={args.attention_backend} "
+        f"attention={args.attention_backend} kv_cache={args.kv_cache_dtype} "
         f"torch={torch.__version__}",
         flush=True,
     )
@@ -213,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         num_threads=args.threads,
         attention_backend=args.attention_backend,
         gguf_matmul=args.gguf_matmul,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     cost = model_cost(llm, dtype)
     print(
@@ -244,7 +271,30 @@ def main(argv: list[str] | None = None) -> int:
         b: bench.decode_eager_ab(b, runs) for b in EAGER_AB_BATCHES if b <= max(max_fused, 1)
     }
     print(f"ours done ({time.perf_counter() - t_start:.0f} s)", flush=True)
-    gguf_rows = measure_gguf_matmuls(llm, bench, runs) if args.int8 else None
+    kv_int8_llm = (
+        LLM(
+            model=args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            num_kv_blocks=num_blocks,
+            max_model_len=PROMPT_LEN + 64,
+            max_num_seqs=64,
+            num_threads=args.threads,
+            attention_backend=args.attention_backend,
+            gguf_matmul="int8",
+            kv_cache_dtype="int8",
+        )
+        if args.int8_kv_cache
+        else None
+    )
+    gguf_rows = (
+        measure_gguf_matmuls(
+            llm, bench, runs, None if kv_int8_llm is None else RunnerBench(kv_int8_llm)
+        )
+        if args.int8
+        else None
+    )
+    del kv_int8_llm
     if gguf_rows is not None:
         print(f"ours float / int8 done ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
@@ -297,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n--int8: the model has no Q4/Q8 GGUF blocks in float32; no int8 rows")
         else:
             int8_peak = 2 * max(probe_peak_macs(True), int8_probe_start)
-            print_int8_report(*gguf_rows, cost, peak, bw, int8_peak)
+            print_int8_report(*gguf_rows[:2], cost, peak, bw, int8_peak)
+            if gguf_rows[2]:
+                print_kv_int8_report(*gguf_rows)
     print(f"total {time.perf_counter() - t_start:.0f} s; command: python {' '.join(sys.argv)}")
     return 0
 

@@ -65,3 +65,40 @@ def test_goals_follow_the_measured_ratios(report, capsys: pytest.CaptureFixture[
     slower = {**int8, "prefill_chunked": chunk_lim / 0.79}
     goals = report.print_int8_report(ours, slower, cost, peak, bw, int8_peak)
     assert [ok for _, ok in goals] == [True, False, True, False]  # 2 * 0.79 >= 1.5
+
+
+def test_the_int8_kv_cache_table_gives_each_path_against_float32(
+    report,  # noqa: ANN001
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    keys = ("prefill_chunked", "prefill_single", "decode_16", "decode_64", "hybrid", "chunk")
+    ours = dict.fromkeys(keys, 1.0)
+    int8 = {**ours, "decode_16": 0.8, "prefill_chunked": 0.5}
+    kv_int8 = {**int8, "decode_16": 0.5, "hybrid": 2.0}
+    report.print_kv_int8_report(ours, int8, kv_int8)
+    out = capsys.readouterr().out
+    assert (
+        "| decode step, 16 running x 512 ctx | 1000.00 ms | 800.00 ms | 500.00 ms | 1.25x | 2.00x |"
+        in out
+    )
+    assert (
+        "| prefill 2048 tok, 512-token chunks | 2,048 tok/s | 4,096 tok/s | 4,096 tok/s | 2.00x | 2.00x |"
+        in out
+    )
+    assert (
+        "| hybrid: 256-tok chunk + 32 decodes | 1000.00 ms | 1000.00 ms | 2000.00 ms | 1.00x | 0.50x |"
+        in out
+    )
+
+
+def test_the_bytes_of_a_decode_count_the_cache_as_it_is_held(report) -> None:  # noqa: ANN001
+    from engine_bench.cost import ModelCost
+
+    base = IterationCost.from_architecture("smollm2-135m", elem=4)
+    # float32 rows of D = 64 against int8 rows (64 bytes + a 4-byte scale), 3 KV heads
+    int8_token = 2 * 3 * 68 * base.num_layers
+    own = ModelCost(base=base)
+    int8 = ModelCost(base=base, kv_token_bytes=float(int8_token))
+    assert own.bytes([512]) - base.weight_bytes == base.kv_bytes_per_token * 512
+    assert int8.bytes([512]) - base.weight_bytes == int8_token * 512
+    assert base.kv_bytes_per_token / int8_token == pytest.approx(256 / 68)

@@ -496,7 +496,9 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "from test_kernels import _scenario\n"
         "from sarazmq.kernels.cpu_attention_kernels import paged_decode_attention\n"
         "from sarazmq.kernels.torch_attention import reference_attention, write_kv_cache\n"
+        "from sarazmq.kernels.kv_int8 import dequantize_kv_rows, quantize_kv_rows\n"
         "bf = torch.bfloat16\n"
+        "deq = lambda t: dequantize_kv_rows(quantize_kv_rows(t), torch.float32)\n"
         "for d in (64, 128):\n"
         "    seqs = [(1, n) for n in (1, 17, 33, 70)]\n"
         "    q, k, v, kc, vc, meta, kf, vf = _scenario(seqs, 6, 2, d, 16, seed=d)\n"
@@ -506,6 +508,15 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "    out = paged_decode_attention(q, kc, vc, tables, lens, 0.1)\n"
         "    ref = reference_attention(q, kf, vf, meta.q_lens, meta.k_lens, 0.1)\n"
         "    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)\n"
+        # float32 queries over int8 cache rows: a kernel on AVX-512 and AVX2 builds, the
+        # torch path (None here) without AVX2
+        "    out8 = paged_decode_attention(\n"
+        "        q, quantize_kv_rows(kc), quantize_kv_rows(vc), tables, lens, 0.1)\n"
+        "    int8_f32 = out8 is not None\n"
+        "    if int8_f32:\n"
+        "        ref8 = reference_attention(\n"
+        "            q, [deq(t) for t in kf], [deq(t) for t in vf], meta.q_lens, meta.k_lens, 0.1)\n"
+        "        torch.testing.assert_close(out8, ref8, atol=1e-4, rtol=1e-4)\n"
         "    write_kv_cache(k.to(bf), v.to(bf), kb, vb, meta.slot_mapping)\n"
         "    out = paged_decode_attention(q.to(bf), kb, vb, tables, lens, 0.1)\n"
         "    kf, vf = [t.to(bf) for t in kf], [t.to(bf) for t in vf]\n"
@@ -519,7 +530,10 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         "assert same\n"
         "used_bf16, same = compare_with_per_op(torch.bfloat16, 2)\n"
         "assert same\n"
+        "used_i8, same = compare_with_per_op(torch.float32, 2, kv_cache_dtype='int8', head_dim=64)\n"
+        "assert same\n"
         "print('fused', used_f32, used_bf16)\n"
+        "print('int8 rows', int8_f32, used_i8)\n"
         # the GGUF block kernels need AVX-512 or AVX2 + FMA, and for bf16 activations
         # AVX512-BF16; where built, bitwise the plain GEMV and close to the reference
         "from sarazmq.kernels.block_quant import block_quant_kernels_available\n"
@@ -549,6 +563,7 @@ def test_c_paths_for_cpus_without_avx512_or_bf16(tmp_path, no_flag: str) -> None
         cpu_has_flag("avx512f") or (cpu_has_flag("avx2") and cpu_has_flag("fma"))
     )
     assert f"fused {f32} False" in proc.stdout
+    assert f"int8 rows {f32} {f32}" in proc.stdout
     assert f"blocks {f32} False" in proc.stdout
 
 

@@ -20,6 +20,7 @@ from sarazmq.kernels.decode_step import (
     FusedDecodeStep,
     StepSizes,
 )
+from sarazmq.kernels.kv_layout import INT8_SCALE_BYTES
 from sarazmq.kernels.metadata import AttentionMetadata
 from sarazmq.kernels.native import cpu_has_flag
 from sarazmq.model.kv_cache import allocate_kv_cache
@@ -142,11 +143,21 @@ def compare_with_per_op(
         same = all(
             torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
             if a.is_floating_point()
-            else (a.int() - b.int()).abs().max() <= 1  # int8 rows of close inputs
-            and not torch.equal(a, torch.zeros_like(a))
+            else _int8_rows_close(a, b)
             for a, b in pairs
         )
     return bool(used) and all(used), same
+
+
+def _int8_rows_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two int8 caches (rows of D values, then the scale's 4 bytes) written from close
+    inputs: values a step apart at most, scales close (compared as float32: a last-bit
+    change of a scale moves its low byte anywhere in -128..127)."""
+    d = a.shape[-1] - INT8_SCALE_BYTES
+    values_close = (a[..., :d].int() - b[..., :d].int()).abs().max() <= 1
+    scale_a = a[..., d:].contiguous().view(torch.float32)
+    scale_b = b[..., d:].contiguous().view(torch.float32)
+    return bool(values_close) and torch.allclose(scale_a, scale_b, rtol=1e-4) and bool(a.any())
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 8])
@@ -160,14 +171,36 @@ def test_fused_step_gives_the_per_op_path_results(dtype: torch.dtype, m: int) ->
         pytest.skip(f"this CPU's build has no {dtype} matrix-vector kernel")
 
 
-@pytest.mark.skipif(not cpu_has_flag("avx512f"), reason="the int8 decode item is AVX-512")
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_fused_step_on_int8_caches_gives_the_per_op_path_results(m: int) -> None:
-    # head size 64: what the int8 decode item takes
-    used, same = compare_with_per_op(torch.bfloat16, m, kv_cache_dtype="int8", head_dim=64)
+_AVX2_FMA = cpu_has_flag("avx2") and cpu_has_flag("fma")
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                not cpu_has_flag("avx512f"), reason="the bf16 int8 decode item is AVX-512"
+            ),
+        ),
+        pytest.param(
+            torch.float32,
+            marks=pytest.mark.skipif(
+                not (cpu_has_flag("avx512f") or _AVX2_FMA),
+                reason="the float32 int8 decode item is AVX-512 or AVX2 + FMA",
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_fused_step_on_int8_caches_gives_the_per_op_path_results(
+    dtype: torch.dtype, m: int
+) -> None:
+    # head size 64: what the int8 decode items take
+    used, same = compare_with_per_op(dtype, m, kv_cache_dtype="int8", head_dim=64)
     assert same
     if not used:
-        pytest.skip("this CPU's build has no bf16 matrix-vector kernel")
+        pytest.skip(f"this CPU's build has no {dtype} matrix-vector kernel")
 
 
 def test_fused_step_declines_what_it_does_not_cover() -> None:

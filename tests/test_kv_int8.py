@@ -1,7 +1,8 @@
 """The int8 KV cache (sarazmq.kernels.kv_int8): the row format against its definition,
 the C write bitwise as the torch reference, the int8 decode kernel and both backends
 against attention over the dequantized rows, sizing and allocation, the errors for what
-it does not support, and a model whose logits stay close to its bf16-cache ones."""
+it does not support, and a model whose logits stay close to its bf16 / float32-cache
+ones."""
 
 from __future__ import annotations
 
@@ -70,15 +71,16 @@ def test_native_write_is_bitwise_the_reference(dtype: torch.dtype) -> None:
 
 
 @needs_native
-def test_native_block_dequantization_is_bitwise_the_reference() -> None:
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_native_block_dequantization_is_bitwise_the_reference(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     x = torch.randn(12, 16, 3, 64, generator=g) * torch.tensor([0.02, 1.0, 40.0])[:, None]
     x[4, 7, 2] = 0.0  # an all-zero row
     cache = quantize_kv_rows(x)  # [12 blocks, 16, 3, 68]
     blocks = torch.tensor([9, 0, 4, 4, 11], dtype=torch.int32)  # any order, repeats
-    out = torch.full((5, 16, 3, 64), 7.0, dtype=BF)
+    out = torch.full((5, 16, 3, 64), 7.0, dtype=dtype)
     assert dequantize_kv_blocks_native(cache, blocks, out)
-    assert torch.equal(out, dequantize_kv_rows(cache[blocks.long()], BF))
+    assert torch.equal(out, dequantize_kv_rows(cache[blocks.long()], dtype))
     # a block id outside the cache: IndexError, nothing written
     before = out.clone()
     with pytest.raises(IndexError, match="outside the cache's 12"):
@@ -86,40 +88,64 @@ def test_native_block_dequantization_is_bitwise_the_reference() -> None:
     assert torch.equal(out, before)
     # what it does not take: the caller's torch path runs
     assert not dequantize_kv_blocks_native(cache, blocks.long(), out)
-    assert not dequantize_kv_blocks_native(cache, blocks, out.float())
+    assert not dequantize_kv_blocks_native(cache, blocks, out.half())
     assert not dequantize_kv_blocks_native(cache, blocks[:4], out)
 
 
 def _int8_scenario(
-    seqs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int
+    seqs: list[tuple[int, int]],
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = BF,
 ) -> tuple[torch.Tensor, ...]:
-    """`_scenario` in bf16 with int8 caches, and each sequence's K/V as the cache will hold
-    them (quantized, dequantized to float32) for the reference."""
+    """`_scenario` in `dtype` with int8 caches, and each sequence's K/V as the cache will
+    hold them (quantized, dequantized to float32) for the reference."""
     q, k, v, k_cache, v_cache, meta, k_full, v_full = _scenario(
         seqs, heads[0], heads[1], head_dim, block_size, seed=head_dim + block_size
     )
-    q, k, v = q.to(BF), k.to(BF), v.to(BF)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     k8, v8 = quantize_kv_rows(k_cache), quantize_kv_rows(v_cache)
-    k_ref = [dequantize_kv_rows(quantize_kv_rows(kf.to(BF)), torch.float32) for kf in k_full]
-    v_ref = [dequantize_kv_rows(quantize_kv_rows(vf.to(BF)), torch.float32) for vf in v_full]
+    k_ref = [dequantize_kv_rows(quantize_kv_rows(kf.to(dtype)), torch.float32) for kf in k_full]
+    v_ref = [dequantize_kv_rows(quantize_kv_rows(vf.to(dtype)), torch.float32) for vf in v_full]
     return q, k, v, k8, v8, meta, k_ref, v_ref
 
 
+# the int8 decode kernels: bf16 queries on AVX-512, float32 ones on AVX-512 or AVX2 + FMA
+# (the attention math in float32 either way; bf16 outputs round to 8 bits)
+_INT8_DECODE = [
+    pytest.param(
+        BF,
+        2e-2,
+        marks=pytest.mark.skipif(not cpu_has_flag("avx512f"), reason="bf16: AVX-512 only"),
+    ),
+    pytest.param(
+        torch.float32,
+        1e-4,
+        marks=pytest.mark.skipif(
+            not (cpu_has_flag("avx512f") or (cpu_has_flag("avx2") and cpu_has_flag("fma"))),
+            reason="float32: AVX-512 or AVX2 + FMA",
+        ),
+    ),
+]
+
+
 @needs_native
-@pytest.mark.skipif(not cpu_has_flag("avx512f"), reason="the int8 decode kernel is AVX-512")
+@pytest.mark.parametrize(("dtype", "tol"), _INT8_DECODE)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_seqs", [1, 3, 9])  # fewer than 4: key ranges split and merged
+@pytest.mark.parametrize("block_size", [16, 4])  # runs of keys cut short by block ends
 def test_int8_decode_kernel_matches_attention_over_dequantized_rows(
-    head_dim: int, num_seqs: int
+    head_dim: int, num_seqs: int, block_size: int, dtype: torch.dtype, tol: float
 ) -> None:
     seqs = [(1, n) for n in (1, 17, 300, 33, 64, 5, 129, 16, 90)[:num_seqs]]
-    q, k, v, k8, v8, meta, k_ref, v_ref = _int8_scenario(seqs, (9, 3), head_dim, 16)
+    q, k, v, k8, v8, meta, k_ref, v_ref = _int8_scenario(seqs, (9, 3), head_dim, block_size, dtype)
     # the new tokens' rows written first, as the backend does
     assert write_kv_int8_native(k, v, k8, v8, meta.slot_mapping)
     out = paged_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens_k, 0.125)
-    assert out is not None and out.dtype == BF
+    assert out is not None and out.dtype == dtype
     ref = reference_attention(q.float(), k_ref, v_ref, meta.q_lens, meta.k_lens, 0.125)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     # a block id outside the cache is an error, not a stray read
     bad = meta.block_tables.clone()
     bad[0, 0] = k8.shape[0]
@@ -176,7 +202,10 @@ def test_unsupported_int8_setups_are_clear_errors() -> None:
 @pytest.mark.parametrize(
     "backend", [TorchPagedAttention, pytest.param(CpuPagedAttention, marks=needs_native)]
 )
-def test_model_logits_on_an_int8_cache_stay_close_to_bf16(backend: type) -> None:
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_model_logits_on_an_int8_cache_stay_close_to_the_model_dtype_cache(
+    backend: type, dtype: torch.dtype
+) -> None:
     from sarazmq.model.llama import LlamaForCausalLM
 
     cfg = _tiny_config(
@@ -188,12 +217,12 @@ def test_model_logits_on_an_int8_cache_stay_close_to_bf16(backend: type) -> None
         head_dim=64,
         max_position=128,
     )
-    model = LlamaForCausalLM(cfg, backend(), dtype=BF)
+    model = LlamaForCausalLM(cfg, backend(), dtype=dtype)
     model.random_init_(seed=3, std=0.1)
     table = [[3, 1, 7, 0, 5, 9, 11, 2]]
 
     def run(kv_cache_dtype: str) -> torch.Tensor:
-        caches = allocate_kv_cache(cfg, 16, 4, BF, "cpu", kv_cache_dtype=kv_cache_dtype)
+        caches = allocate_kv_cache(cfg, 16, 4, dtype, "cpu", kv_cache_dtype=kv_cache_dtype)
         logits = []
         for q_len, k_len in ((12, 12), (8, 20), (1, 21), (1, 22), (1, 23)):
             meta = AttentionMetadata.build([q_len], [k_len], table, 4)
@@ -202,11 +231,11 @@ def test_model_logits_on_an_int8_cache_stay_close_to_bf16(backend: type) -> None
             logits.append(model.compute_logits(hidden)[-1:])
         return torch.cat(logits).float()
 
-    on_bf16, on_int8 = run("auto"), run("int8")
-    assert not torch.equal(on_bf16, on_int8)  # the cache did change
+    on_dtype, on_int8 = run("auto"), run("int8")
+    assert not torch.equal(on_dtype, on_int8)  # the cache did change
     # random weights leave near-ties in the argmax: the logits themselves are compared
-    torch.testing.assert_close(on_int8, on_bf16, atol=0.1, rtol=0.05)
-    assert (on_int8 - on_bf16).abs().mean() < 0.02
+    torch.testing.assert_close(on_int8, on_dtype, atol=0.1, rtol=0.05)
+    assert (on_int8 - on_dtype).abs().mean() < 0.02
 
 
 def test_the_cli_option_reaches_the_engine_config() -> None:

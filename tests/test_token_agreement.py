@@ -68,3 +68,8 @@ def test_teacher_forced_logits_are_the_single_pass_in_any_chunks() -> None:
     assert not torch.allclose(other[20], whole[20])
     with pytest.raises(ValueError, match="non-empty"):
         teacher_forced_logits(model, [], chunk=4)
+    # through an int8 KV cache: close to the model's own cache, not the same
+    on_int8 = teacher_forced_logits(model, ids, chunk=16, kv_cache_dtype="int8")
+    assert on_int8.shape == whole.shape and not torch.equal(on_int8, whole)
+    near = compare(whole, on_int8, ids)
+    assert near.mean_kl < 1e-3 and near.top1_agreement >= 0.9

@@ -329,6 +329,9 @@ DEFINE_ITEM_AVX512(item_avx512_bf16, uint16_t, uint16_t, 0, bf16_q_t, BF16_QLOAD
 #define I8_QLOAD(qv, qr, ND) FMA_QLOAD(load16_bf16, qv, qr, ND)
 DEFINE_ITEM_AVX512(item_avx512_i8, uint16_t, int8_t, 4, __m512, I8_QLOAD, i8_kdot, i8_vload,
                    bf16_store_out_in_order)
+/* the same rows under float32 queries (float32 models with an int8 cache) */
+DEFINE_ITEM_AVX512(item_avx512_i8_f32, float, int8_t, 4, __m512, F32_QLOAD, i8_kdot, i8_vload,
+                   f32_store_out)
 /* Merges the S key splits of one item (parts: S consecutive blocks of nq rows of D + 2
  * floats: the accumulators as the item keeps them, then m and l) into its nq output rows:
  * out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M the largest m_s. Splits
@@ -520,6 +523,7 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
 DEFINE_AVX_DISPATCH(avx_item_f32, float, float, item_avx512_f32)
 DEFINE_AVX_DISPATCH(avx_item_bf16, uint16_t, uint16_t, item_avx512_bf16)
 DEFINE_AVX_DISPATCH(avx_item_i8, uint16_t, int8_t, item_avx512_i8)
+DEFINE_AVX_DISPATCH(avx_item_i8_f32, float, int8_t, item_avx512_i8_f32)
 
 /* Decode attention for fewer sequences than it takes to keep the threads busy (nd < 4):
  * items are still a sequence's KV heads together (whole cache rows, read in memory order),
@@ -567,39 +571,18 @@ DEFINE_AVX_DISPATCH(avx_item_i8, uint16_t, int8_t, item_avx512_i8)
 DEFINE_SPLIT_DECODE(split_decode_f32, float, float, avx_item_f32, combine_split_f32)
 DEFINE_SPLIT_DECODE(split_decode_bf16, uint16_t, uint16_t, avx_item_bf16, combine_split_bf16)
 DEFINE_SPLIT_DECODE(split_decode_i8, uint16_t, int8_t, avx_item_i8, combine_split_i8)
+DEFINE_SPLIT_DECODE(split_decode_i8_f32, float, int8_t, avx_item_i8_f32, combine_split_f32)
 
-/* Decode attention over an int8 cache (kernels/kv_int8.py: rows of D int8 values and
- * their float32 scale) for bf16 queries and output; the AVX-512 path only (head sizes 64
- * and 128). Returns as the other decode entries: 0, -1 (not covered: the caller takes the
- * torch path over dequantized blocks), -2 (a length or block id outside the cache). */
-int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_t *k_cache,
-                                   const int8_t *v_cache, const int32_t *tables,
-                                   long table_stride, const int32_t *lens, uint16_t *out,
-                                   int nd, int H, int Hkv, int D, int block_size, float scale,
-                                   long num_blocks) {
-    if (D != 64 && D != 128) return -1;
-    const int rc =
-        decode_attention_check(tables, table_stride, lens, nd, H, Hkv, D, block_size, num_blocks);
-    if (rc != 0) return rc;
-    if (nd < 4 && split_decode_i8(q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,
-                                  nd, H, Hkv, D, block_size, scale))
-        return 0;
-    const int G = H / Hkv, fit = MAX_ITEM_QHEADS / G;
-    const int per_item = nd >= 4 ? (Hkv < fit ? Hkv : fit) : 1;
-    const int groups = (Hkv + per_item - 1) / per_item;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (long item = 0; item < (long)nd * groups; item++) {
-        const int n = (int)(item / groups), h0 = (int)(item % groups) * per_item;
-        const int h1 = h0 + per_item < Hkv ? h0 + per_item : Hkv;
-        avx_item_i8(D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0,
-                    h1, H, Hkv, block_size, scale, 0, lens[n], NULL);
-    }
-    return 0;
-}
 #define ITEM_F32 avx_item_f32
 #define ITEM_BF16 avx_item_bf16
 #define SPLIT_F32 split_decode_f32
 #define SPLIT_BF16 split_decode_bf16
+#define I8_BF16_BUILT 1
+#define I8_F32_BUILT 1
+#define ITEM_I8_BF16 avx_item_i8
+#define SPLIT_I8_BF16 split_decode_i8
+#define ITEM_I8_F32 avx_item_i8_f32
+#define SPLIT_I8_F32 split_decode_i8_f32
 #else
 /* float32 items on AVX2 + FMA builds (kernels/csrc/decode_attention_avx2.c; 0 elsewhere
  * and for head sizes it does not take: the portable loop below) */
@@ -610,18 +593,60 @@ int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_
 #define ITEM_BF16(...) 0
 #define SPLIT_F32(...) 0
 #define SPLIT_BF16(...) 0
-int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_t *k_cache,
-                                   const int8_t *v_cache, const int32_t *tables,
-                                   long table_stride, const int32_t *lens, uint16_t *out,
-                                   int nd, int H, int Hkv, int D, int block_size, float scale,
-                                   long num_blocks) {
-    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)tables, (void)table_stride;
-    (void)lens, (void)out, (void)nd, (void)H, (void)Hkv, (void)D, (void)block_size;
-    (void)scale, (void)num_blocks;
-    return -1; /* no AVX-512: the torch path over dequantized blocks */
+/* int8 rows: float32 queries on AVX2 + FMA builds (decode_attention_avx2.c; every item
+ * the entry below makes at head sizes 64 and 128), bf16 queries on AVX-512 only */
+#define I8_BF16_BUILT 0
+#if defined(AVX2_ONLY)
+#define I8_F32_BUILT 1
+#else
+#define I8_F32_BUILT 0
+#endif
+/* stands in for a kernel this build lacks (its arguments count as used) */
+static inline int not_built(int first, ...) {
+    (void)first;
+    return 0;
 }
+#define ITEM_I8_BF16(...) not_built(__VA_ARGS__)
+#define SPLIT_I8_BF16(...) not_built(0, __VA_ARGS__)
+#define ITEM_I8_F32(D_, G_, q_, qs_, kc_, vc_, tb_, ts_, ln_, o_, n_, h0_, h1_, H_, Hkv_, bs_,   \
+                    sc_, k0_, k1_, split_)                                                      \
+    decode_item_avx2_i8_f32(D_, G_, q_, qs_, kc_, vc_, tb_, ts_, ln_, o_, n_, h0_, h1_, H_,     \
+                            Hkv_, bs_, sc_)
+#define SPLIT_I8_F32(...) not_built(0, __VA_ARGS__)
 #endif
 
 DEFINE_DECODE(paged_decode_attention_f32, float, widen_f32, narrow_f32, ITEM_F32, SPLIT_F32)
 DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, widen_bf16, narrow_bf16, ITEM_BF16,
               SPLIT_BF16)
+
+/* Decode attention over an int8 cache (kernels/kv_int8.py: rows of D int8 values and
+ * their float32 scale), queries and output of T: bf16 on AVX-512 builds, float32 on
+ * AVX-512 and AVX2 builds, head sizes 64 and 128. Returns as the other decode entries: 0,
+ * -1 (not covered: the caller takes the torch path over dequantized rows), -2 (a length
+ * or block id outside the cache). */
+#define DEFINE_I8_DECODE(NAME, T, BUILT, ITEM, SPLIT)                                          \
+    int NAME(const T *q, long q_stride, const int8_t *k_cache, const int8_t *v_cache,          \
+             const int32_t *tables, long table_stride, const int32_t *lens, T *out, int nd,    \
+             int H, int Hkv, int D, int block_size, float scale, long num_blocks) {            \
+        if (!(BUILT) || (D != 64 && D != 128)) return -1;                                      \
+        const int rc = decode_attention_check(tables, table_stride, lens, nd, H, Hkv, D,       \
+                                              block_size, num_blocks);                         \
+        if (rc != 0) return rc;                                                                \
+        if (nd < 4 && SPLIT(q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,    \
+                            nd, H, Hkv, D, block_size, scale))                                 \
+            return 0;                                                                          \
+        const int G = H / Hkv, fit = MAX_ITEM_QHEADS / G;                                      \
+        const int per_item = nd >= 4 ? (Hkv < fit ? Hkv : fit) : 1;                            \
+        const int groups = (Hkv + per_item - 1) / per_item;                                    \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                       \
+        for (long item = 0; item < (long)nd * groups; item++) {                                \
+            const int n = (int)(item / groups), h0 = (int)(item % groups) * per_item;          \
+            const int h1 = h0 + per_item < Hkv ? h0 + per_item : Hkv;                          \
+            (void)ITEM(D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,   \
+                       n, h0, h1, H, Hkv, block_size, scale, 0, lens[n], NULL);                \
+        }                                                                                      \
+        return 0;                                                                              \
+    }
+DEFINE_I8_DECODE(paged_decode_attention_i8_bf16, uint16_t, I8_BF16_BUILT, ITEM_I8_BF16,
+                 SPLIT_I8_BF16)
+DEFINE_I8_DECODE(paged_decode_attention_i8_f32, float, I8_F32_BUILT, ITEM_I8_F32, SPLIT_I8_F32)

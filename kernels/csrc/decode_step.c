@@ -171,7 +171,7 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
                 return -1;                                                                     \
         }                                                                                      \
         if (panels && (hidden % 32 != 0 || q_n % 32 != 0 || inter % 32 != 0)) return -1;       \
-        /* int8 caches (kv_int8.c's rows): bf16 steps on the AVX-512 decode item only */      \
+        /* int8 caches (kv_int8.c's rows): where an int8 decode item takes T queries */      \
         if (kv_int8 && (!KV_INT8_STEP_##SUF || (D != 64 && D != 128))) return -1;              \
         if (num_layers < 1 || M < 1 || D % 2 != 0 || D > 512 ||                                \
             (plain && (!gemv_##SUF##_covers(M, qkv_n, hidden) ||                               \
@@ -230,15 +230,19 @@ long decode_step_work_elems(int M, int hidden, int H, int Hkv, int D, int inter)
         return 0;                                                                              \
     }
 
-/* Which steps read int8 caches: bf16 ones where the AVX-512 int8 decode item is built
- * (cpu_attention.c); float32 steps never (the per-op torch path dequantizes). */
+/* Which steps read int8 caches: where cpu_attention.c builds an int8 decode item for
+ * their queries (bf16: AVX-512; float32: AVX-512 or AVX2 + FMA) */
 #if defined(__AVX512F__)
 #define KV_INT8_STEP_bf16 1
 #else
 #define KV_INT8_STEP_bf16 0
 #endif
+#if defined(__AVX512F__) || defined(AVX2_ONLY)
+#define KV_INT8_STEP_f32 1
+#else
 #define KV_INT8_STEP_f32 0
+#endif
 #define KV_INT8_ATTEND_bf16(...) paged_decode_attention_i8_bf16(__VA_ARGS__)
-#define KV_INT8_ATTEND_f32(...) (void)0
+#define KV_INT8_ATTEND_f32(...) paged_decode_attention_i8_f32(__VA_ARGS__)
 DEFINE_DECODE_STEP(decode_step_f32, float, f32)
 DEFINE_DECODE_STEP(decode_step_bf16, uint16_t, bf16)

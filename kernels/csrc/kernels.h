@@ -97,6 +97,11 @@ int decode_item_avx2_f32(int D, int G, const float *q, long q_stride, const floa
                          const float *v_cache, const int32_t *tables, long table_stride,
                          const int32_t *lens, float *out, int n, int h0, int h1, int H, int Hkv,
                          int block_size, float scale);
+/* the same over int8 cache rows (kernels/kv_int8.py) */
+int decode_item_avx2_i8_f32(int D, int G, const float *q, long q_stride, const int8_t *k_cache,
+                            const int8_t *v_cache, const int32_t *tables, long table_stride,
+                            const int32_t *lens, float *out, int n, int h0, int h1, int H,
+                            int Hkv, int block_size, float scale);
 
 /* cpu_attention.c */
 int decode_attention_check(const int32_t *tables, long table_stride, const int32_t *lens,
@@ -116,6 +121,11 @@ int paged_decode_attention_i8_bf16(const uint16_t *q, long q_stride, const int8_
                                    long table_stride, const int32_t *lens, uint16_t *out,
                                    int nd, int H, int Hkv, int D, int block_size, float scale,
                                    long num_blocks);
+int paged_decode_attention_i8_f32(const float *q, long q_stride, const int8_t *k_cache,
+                                  const int8_t *v_cache, const int32_t *tables,
+                                  long table_stride, const int32_t *lens, float *out, int nd,
+                                  int H, int Hkv, int D, int block_size, float scale,
+                                  long num_blocks);
 
 /* kv_cache_copy.c */
 int write_kv_cache(const char *k, long k_stride, const char *v, long v_stride, char *k_cache,
@@ -236,5 +246,7 @@ int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stri
 int dequantize_kv_blocks_int8_bf16(const int8_t *cache, const int32_t *blocks, long n,
                                    int block_size, int Hkv, int D, long num_blocks,
                                    uint16_t *out);
+int dequantize_kv_blocks_int8_f32(const int8_t *cache, const int32_t *blocks, long n,
+                                  int block_size, int Hkv, int D, long num_blocks, float *out);
 
 #endif

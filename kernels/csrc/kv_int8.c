@@ -49,14 +49,13 @@ int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stri
     return 0;
 }
 
-/* Reads blocks[0 .. n) of an int8 cache ([num_blocks, block_size, Hkv, D + 4]) as bf16
- * blocks out [n, block_size, Hkv, D], each value to_bf(q * s): the bits of the torch
- * reference `dequantize_kv_rows(rows, torch.bfloat16)` (a float32 product rounded to
- * nearest even). A prefill chunk's context, for the bf16 prefill kernel. Returns 0; -1 for
- * D beyond 512; -2 (nothing written) for a block id outside the cache. */
-int dequantize_kv_blocks_int8_bf16(const int8_t *cache, const int32_t *blocks, long n,
-                                   int block_size, int Hkv, int D, long num_blocks,
-                                   uint16_t *out) {
+/* Reads blocks[0 .. n) of an int8 cache ([num_blocks, block_size, Hkv, D + 4]) as blocks
+ * out [n, block_size, Hkv, D] of bf16 (is_bf16) or float32, each value q * s in float32
+ * (rounded to nearest even for bf16): the bits of the torch reference
+ * `dequantize_kv_rows(rows, dtype)`. A prefill chunk's context, for the prefill kernels.
+ * Returns 0; -1 for D beyond 512; -2 (nothing written) for a block id outside the cache. */
+static int dequantize_blocks(const int8_t *cache, const int32_t *blocks, long n, int block_size,
+                             int Hkv, int D, long num_blocks, void *out, int is_bf16) {
     if (D < 1 || D > 512) return -1;
     for (long b = 0; b < n; b++)
         if (blocks[b] < 0 || blocks[b] >= num_blocks) return -2;
@@ -67,8 +66,25 @@ int dequantize_kv_blocks_int8_bf16(const int8_t *cache, const int32_t *blocks, l
         const int8_t *src = cache + ((long)blocks[b] * rows_per_block + within) * row;
         float s;
         memcpy(&s, src + D, sizeof s);
-        uint16_t *dst = out + r * D;
-        for (int d = 0; d < D; d++) dst[d] = to_bf((float)src[d] * s);
+        if (is_bf16) {
+            uint16_t *dst = (uint16_t *)out + r * D;
+            for (int d = 0; d < D; d++) dst[d] = to_bf((float)src[d] * s);
+        } else {
+            float *dst = (float *)out + r * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = (float)src[d] * s;
+        }
     }
     return 0;
+}
+
+int dequantize_kv_blocks_int8_bf16(const int8_t *cache, const int32_t *blocks, long n,
+                                   int block_size, int Hkv, int D, long num_blocks,
+                                   uint16_t *out) {
+    return dequantize_blocks(cache, blocks, n, block_size, Hkv, D, num_blocks, out, 1);
+}
+
+int dequantize_kv_blocks_int8_f32(const int8_t *cache, const int32_t *blocks, long n,
+                                  int block_size, int Hkv, int D, long num_blocks, float *out) {
+    return dequantize_blocks(cache, blocks, n, block_size, Hkv, D, num_blocks, out, 0);
 }

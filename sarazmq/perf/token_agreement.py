@@ -38,16 +38,20 @@ class Agreement:
         return asdict(self)
 
 
-def teacher_forced_logits(model: LlamaForCausalLM, ids: list[int], chunk: int) -> torch.Tensor:
+def teacher_forced_logits(
+    model: LlamaForCausalLM, ids: list[int], chunk: int, kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
     """float32 logits [len(ids), vocab]: position i is the model's distribution of token
     i + 1 given ids[: i + 1], computed as the engine serves a prompt (prefill chunks of
-    `chunk` tokens through a paged KV cache)."""
+    `chunk` tokens through a paged KV cache of `kv_cache_dtype`)."""
     if not ids or chunk < 1:
         raise ValueError(f"need a non-empty text and chunk >= 1 (got {len(ids)} ids, {chunk})")
     n_blocks = (len(ids) + _BLOCK - 1) // _BLOCK
     dtype = model.embed_tokens.dtype
     device = model.embed_tokens.device
-    caches = allocate_kv_cache(model.config, n_blocks + 1, _BLOCK, dtype, device)
+    caches = allocate_kv_cache(
+        model.config, n_blocks + 1, _BLOCK, dtype, device, kv_cache_dtype=kv_cache_dtype
+    )
     table = list(range(1, n_blocks + 1))
     rows = []
     with torch.inference_mode():

@@ -24,6 +24,9 @@ class ModelCost:
     # reads the GGUF's quantized blocks there (None: every step reads run-dtype weights)
     block_weight_bytes: int | None = None
     block_rows: int = 0
+    # K and V bytes of one position, all layers, as the engine's cache holds them (int8
+    # rows: D bytes and a 4-byte scale; None: the run dtype's)
+    kv_token_bytes: float | None = None
 
     @property
     def linear_params(self) -> int:
@@ -50,7 +53,10 @@ class ModelCost:
 
     def bytes(self, k_lens: list[int]) -> float:
         """Bytes read: every weight once, plus the KV cache of every sequence."""
-        kv = self.base.kv_bytes_per_token * sum(k_lens)
+        per_token = (
+            self.base.kv_bytes_per_token if self.kv_token_bytes is None else self.kv_token_bytes
+        )
+        kv = per_token * sum(k_lens)
         if self.block_weight_bytes is not None and len(k_lens) <= self.block_rows:
             return self.block_weight_bytes + kv
         return self.base.weight_bytes + kv
@@ -79,10 +85,15 @@ def model_cost(llm: LLM, dtype: torch.dtype) -> ModelCost:
         kv_width=cfg.num_kv_heads * cfg.head_dim,
         elem=elem,
     )
+    # [num_blocks, block_size, Hkv, row] per layer, K and V
+    kv_token_bytes = sum(
+        t[0, 0].numel() * t.element_size() for pair in llm.engine.runner.kv_caches for t in pair
+    )
     return ModelCost(
         base=base,
         block_weight_bytes=block_bytes,
         block_rows=FUSED_MAX_ROWS_BLOCKS[dtype] if block_bytes is not None else 0,
+        kv_token_bytes=float(kv_token_bytes),
     )
 
 

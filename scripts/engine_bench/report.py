@@ -10,6 +10,7 @@ from .common import (
     DECODE_CTX,
     HYBRID_CHUNK,
     HYBRID_DECODES,
+    INT8_DECODE_BATCHES,
     PREFILL_CHUNK,
     PROMPT_LEN,
 )
@@ -351,3 +352,37 @@ def print_int8_report(
     ]
     print("int8 goals: " + "; ".join(f"{n}: {'met' if ok else 'NOT met'}" for n, ok in goals))
     return goals
+
+
+def print_kv_int8_report(
+    ours: dict[str, float], int8: dict[str, float], kv_int8: dict[str, float]
+) -> None:
+    """The --int8-kv-cache table: each --int8 row with float32 matmuls, int8 matmuls, and
+    int8 matmuls over an int8 KV cache (`kv_cache_dtype="int8"`), as ratios to float32
+    over the model's own cache."""
+    print()
+    print(
+        "int8 KV cache (kv_cache_dtype=int8, a second engine with int8 matmuls; its rows "
+        "timed after each float / int8 pair in this run):"
+    )
+    print("| row | float32 | int8 | int8 + int8 KV | int8 / float32 | int8 + int8 KV / float32 |")
+    print("|---|---|---|---|---|---|")
+    for key, label, unit in (
+        ("prefill_chunked", f"prefill {PROMPT_LEN} tok, {PREFILL_CHUNK}-token chunks", "tok"),
+        ("prefill_single", f"prefill {PROMPT_LEN} tok, single pass", "tok"),
+        *(
+            (f"decode_{b}", f"decode step, {b} running x {DECODE_CTX} ctx", "ms")
+            for b in INT8_DECODE_BATCHES
+        ),
+        ("hybrid", f"hybrid: {HYBRID_CHUNK}-tok chunk + {HYBRID_DECODES} decodes", "ms"),
+    ):
+        times = (ours[key], int8[key], kv_int8[key])
+        cells = (
+            [f"{PROMPT_LEN / t:,.0f} tok/s" for t in times]
+            if unit == "tok"
+            else [f"{1e3 * t:.2f} ms" for t in times]
+        )
+        print(
+            f"| {label} | {' | '.join(cells)} | {ours[key] / int8[key]:.2f}x | "
+            f"{ours[key] / kv_int8[key]:.2f}x |"
+        )
