@@ -28,10 +28,11 @@ What it measures (median of --runs timed repetitions after one warm-up each):
   (llama-cpp-python) is importable: prefill and a one-sequence decode step;
 - with --int8 (a GGUF model in float32): the prefill, decode and hybrid rows with the
   GGUF matmuls set to "float" and to "int8" (llama.cpp-style integer dot products, issue
-  38), alternated row by row, against each other and against the integer path's limits:
+  38), alternated run by run, against each other and against the integer path's limits:
   matmul FLOPs at the int8 probe's rate (`probe_peak_macs`: VPMADDUBSW or VPDPBUSD
   chains), attention and the lm head at the float32 GEMM peak, or the bytes at the
-  bandwidth.
+  bandwidth; with --int8-kv-cache also a second engine's int8 matmuls over an int8 KV
+  cache (`--kv-cache-dtype int8`), alternated with them.
 
 The main table runs the engine as configured (`--gguf-matmul`, default auto: int8 for a
 GGUF model in float32 where it was measured faster, `sarazmq.resolve.resolve_gguf_matmul`).
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -104,11 +106,12 @@ def measure_gguf_matmuls(
     llm: LLM, bench: RunnerBench, runs: int, kv_int8: RunnerBench | None = None
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]] | None:
     """The --int8 rows (prefill, decode at 16 and 64 running, hybrid and its chunk), each
-    timed with the model's GGUF matmuls set to "float" and to "int8" in turn (the same
-    run, alternated row by row), then set back to the engine's choice: (float, int8,
-    kv_int8), the last the same rows of `kv_int8` (a second engine, int8 matmuls over an
-    int8 KV cache) timed after each pair, empty without one; None where no weight takes
-    int8."""
+    timed with the model's GGUF matmuls set to "float" and to "int8" (and on `kv_int8`, a
+    second engine with int8 matmuls over an int8 KV cache) in turn, one run each round
+    (each after its own warm-up run), the median of `runs` rounds: a shared machine's
+    drift hits every column alike. The matmuls are then set back to the engine's choice.
+    Returns (float, int8, kv_int8), the last empty without a second engine; None where
+    no weight takes int8."""
     model = llm.engine.runner.model
     engine_mode = llm.engine.config.gguf_matmul
     if model.set_gguf_matmul("int8") == 0:
@@ -116,27 +119,41 @@ def measure_gguf_matmuls(
         return None
     rows: dict[str, dict[str, float]] = {"float": {}, "int8": {}, "kv_int8": {}}
     keys = ["prefill_chunked", "prefill_single", *(f"decode_{n}" for n in INT8_DECODE_BATCHES)]
+    # column -> (its engine's bench, the matmul mode to set there; None: as built)
+    columns: dict[str, tuple[RunnerBench, str | None]] = {
+        "float": (bench, "float"),
+        "int8": (bench, "int8"),
+    }
+    if kv_int8 is not None:
+        columns["kv_int8"] = (kv_int8, None)
     try:
         for key in [*keys, "hybrid"]:
-            for mode in ("float", "int8"):
-                model.set_gguf_matmul(mode)
-                _measure_into(rows[mode], key, bench, runs)
-            if kv_int8 is not None:
-                _measure_into(rows["kv_int8"], key, kv_int8, runs)
+            samples: dict[str, list[tuple[float, ...]]] = {c: [] for c in columns}
+            for _ in range(runs):
+                for column, (column_bench, mode) in columns.items():
+                    if mode is not None:
+                        model.set_gguf_matmul(mode)
+                    samples[column].append(_measure_once(key, column_bench))
+            for column in columns:
+                times = [statistics.median(t) for t in zip(*samples[column], strict=True)]
+                if key == "hybrid":
+                    rows[column]["hybrid"], rows[column]["chunk"] = times
+                else:
+                    rows[column][key] = times[0]
     finally:
         model.set_gguf_matmul(engine_mode)
     return rows["float"], rows["int8"], rows["kv_int8"]
 
 
-def _measure_into(row: dict[str, float], key: str, bench: RunnerBench, runs: int) -> None:
-    """Times the --int8 shape `key` on `bench` into `row` (the hybrid shape: the hybrid
-    step and its chunk alone)."""
+def _measure_once(key: str, bench: RunnerBench) -> tuple[float, ...]:
+    """One timed run (after a warm-up run) of the --int8 shape `key` on `bench`: (seconds,),
+    for the hybrid shape (hybrid step, its chunk alone)."""
     if key == "hybrid":
-        row["hybrid"], row["chunk"], _ = bench.hybrid(runs)
-    elif key.startswith("decode_"):
-        row[key] = bench.decode(int(key.removeprefix("decode_")), runs)
-    else:
-        row[key] = bench.prefill(PREFILL_CHUNK if key == "prefill_chunked" else PROMPT_LEN, runs)
+        hybrid, chunk, _ = bench.hybrid(1)
+        return hybrid, chunk
+    if key.startswith("decode_"):
+        return (bench.decode(int(key.removeprefix("decode_")), 1),)
+    return (bench.prefill(PREFILL_CHUNK if key == "prefill_chunked" else PROMPT_LEN, 1),)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,42 +68,121 @@ static inline __attribute__((always_inline)) __m256 run_scales(const char *r, lo
     return _mm256_load_ps(s);
 }
 
-/* I8 = 0: float32 rows of D floats; I8 = 1: int8 rows (kernels/kv_int8.py: D int8 values,
- * then their float32 scale). An int8 key's scale multiplies its summed dot product (one
- * lane of the run's 8 scores), a value's scale its softmax weight in the V update (the
- * normalizer l sums the unscaled weights): the rows are widened, never rescaled. */
-static inline __attribute__((always_inline)) void item(
-    const int ND, const int G, const int I8, const float *q, long q_stride, const void *k_cache,
-    const void *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,
-    float *out, int n, int h0, int h1, int H, int Hkv, int block_size, float scale) {
-    const int D = ND * 8, nq = (h1 - h0) * G; /* query heads, c = (h - h0) * G + g */
-    const long row = I8 ? D + 4 : D * (long)sizeof(float); /* bytes of one head's row */
-    const long tok_stride = (long)Hkv * row;
-    const long block_bytes = (long)block_size * tok_stride;
-    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+/* What an item keeps across its runs: per query head c its query row, accumulators,
+ * running maximum m and sum l; per run the scores, the rescale factors and the softmax
+ * weights; the widened int8 rows of one head. */
+typedef struct {
     __m256 qv[ITEM_MAX_QHEADS][ITEM_MAX_ND], acc[ITEM_MAX_QHEADS][ITEM_MAX_ND];
     __m256 sv[ITEM_MAX_QHEADS];
     float m[ITEM_MAX_QHEADS], l[ITEM_MAX_QHEADS], corr[ITEM_MAX_QHEADS];
     __attribute__((aligned(32))) float p[ITEM_MAX_QHEADS][8];
     __m256 w[8][ITEM_MAX_ND]; /* int8 rows: one head's K or V rows of a run, widened */
-    const __m256 sc = _mm256_set1_ps(scale), neg_inf = _mm256_set1_ps(-INFINITY);
+} item_state;
+
+/* One run of nt keys (rows kb / vb, tok_stride bytes apart; heads row bytes apart) for
+ * the item's nh KV heads: three passes over the run's query heads, each free of the
+ * others' results, so the out-of-order core overlaps heads: scores, softmax update,
+ * weighted V rows. I8 = 0: float32 rows of D floats; I8 = 1: int8 rows
+ * (kernels/kv_int8.py: D int8 values, then their float32 scale). An int8 key's scale
+ * multiplies its summed dot product (one lane of the run's 8 scores), a value's scale
+ * its softmax weight in the V update (the normalizer l sums the unscaled weights): the
+ * rows are widened, never rescaled. ND, G, I8 and (for full runs) nt are compile-time
+ * constants at the call sites: the loops unroll and the branches on them go. */
+static inline __attribute__((always_inline)) void run(const int ND, const int G, const int I8,
+                                                      const int nt, const int nh, item_state *st,
+                                                      const char *kb, const char *vb,
+                                                      long tok_stride, long row, pf_cursor *pc,
+                                                      int per_pass, __m256 sc) {
+    const int D = ND * 8;
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    const __m256 live = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                      _mm256_set1_ps((float)nt), _CMP_LT_OQ);
+    for (int i = 0; i < nh; i++) {
+        const __m256 ks = I8 ? _mm256_mul_ps(sc, run_scales(kb + i * row, tok_stride, D, nt)) : sc;
+        if (I8) widen_rows(ND, kb + i * row, tok_stride, nt, st->w);
+        for (int g = 0; g < G; g++) {
+            const int c = i * G + g;
+            __m256 part[8];
+            for (int r = 0; r < per_pass; r++) pf_step(pc);
+            for (int t = 0; t < 8; t++) {
+                if (t >= nt) {
+                    part[t] = _mm256_setzero_ps();
+                    continue;
+                }
+                const float *kr =
+                    I8 ? (const float *)st->w[t] : (const float *)(kb + t * tok_stride + i * row);
+                __m256 d = _mm256_mul_ps(st->qv[c][0], _mm256_loadu_ps(kr));
+                for (int j = 1; j < ND; j++)
+                    d = _mm256_fmadd_ps(st->qv[c][j], _mm256_loadu_ps(kr + 8 * j), d);
+                part[t] = d;
+            }
+            const __m256 scores = _mm256_mul_ps(hsum8x8(part), ks);
+            st->sv[c] = nt == 8 ? scores : _mm256_blendv_ps(neg_inf, scores, live);
+        }
+    }
+    for (int i = 0; i < nh; i++) {
+        const __m256 vs = I8 ? run_scales(vb + i * row, tok_stride, D, nt) : _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const int c = i * G + g;
+            const float bm = hmax8(st->sv[c]);
+            /* a new maximum rescales what was summed so far (exactly 1 otherwise) */
+            st->corr[c] = bm > st->m[c] ? exp_approx(st->m[c] - bm) : 1.0f;
+            st->m[c] = bm > st->m[c] ? bm : st->m[c];
+            __m256 pv = exp256(_mm256_sub_ps(st->sv[c], _mm256_set1_ps(st->m[c])));
+            if (nt < 8) pv = _mm256_and_ps(pv, live);
+            st->l[c] = st->l[c] * st->corr[c] + hadd8(pv);
+            _mm256_store_ps(st->p[c], I8 ? _mm256_mul_ps(pv, vs) : pv);
+        }
+    }
+    for (int i = 0; i < nh; i++) {
+        if (I8) widen_rows(ND, vb + i * row, tok_stride, nt, st->w);
+        for (int g = 0; g < G; g++) {
+            const int c = i * G + g;
+            const __m256 cv = _mm256_set1_ps(st->corr[c]);
+            __m256 a[ITEM_MAX_ND]; /* this query head's accumulators, in registers */
+            for (int j = 0; j < ND; j++) a[j] = _mm256_mul_ps(st->acc[c][j], cv);
+            for (int r = 0; r < per_pass; r++) pf_step(pc);
+            for (int t = 0; t < nt; t++) {
+                const float *vr =
+                    I8 ? (const float *)st->w[t] : (const float *)(vb + t * tok_stride + i * row);
+                const __m256 pb = _mm256_set1_ps(st->p[c][t]);
+                for (int j = 0; j < ND; j++)
+                    a[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * j), a[j]);
+            }
+            for (int j = 0; j < ND; j++) st->acc[c][j] = a[j];
+        }
+    }
+}
+
+/* One work item: KV heads [h0, h1) of sequence n, its keys in runs of up to 8 inside a
+ * block (`run`), the rows PREFETCH_AHEAD tokens on requested during each run. */
+static inline __attribute__((always_inline)) void item(
+    const int ND, const int G, const int I8, const float *q, long q_stride, const void *k_cache,
+    const void *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,
+    float *out, int n, int h0, int h1, int H, int Hkv, int block_size, float scale) {
+    const int D = ND * 8, nh = h1 - h0, nq = nh * G; /* query heads, c = (h - h0) * G + g */
+    const long row = I8 ? D + 4 : D * (long)sizeof(float); /* bytes of one head's row */
+    const long tok_stride = (long)Hkv * row;
+    const long block_bytes = (long)block_size * tok_stride;
+    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    item_state st;
+    const __m256 sc = _mm256_set1_ps(scale);
     for (int c = 0; c < nq; c++) {
         const float *qr = q + (long)n * q_stride + (long)(h0 * G + c) * D;
         for (int j = 0; j < ND; j++) {
-            qv[c][j] = _mm256_loadu_ps(qr + 8 * j);
-            acc[c][j] = _mm256_setzero_ps();
+            st.qv[c][j] = _mm256_loadu_ps(qr + 8 * j);
+            st.acc[c][j] = _mm256_setzero_ps();
         }
-        m[c] = -INFINITY;
-        l[c] = 0.0f;
+        st.m[c] = -INFINITY;
+        st.l[c] = 0.0f;
     }
-    const int len = lens[n], run_bytes = (h1 - h0) * (int)row;
+    const int len = lens[n], run_bytes = nh * (int)row;
     const int32_t *table = tables + (long)n * table_stride;
     for (int start = 0, nt = 0; start < len; start += nt) {
         const int off = start % block_size, blk = start / block_size;
         nt = len - start < 8 ? len - start : 8;
         if (nt > block_size - off) nt = block_size - off;
         const long at = (long)table[blk] * block_bytes + (long)off * tok_stride + (long)h0 * row;
-        const char *kb = kc + at, *vb = vc + at;
         /* the rows PREFETCH_AHEAD tokens on, requested a few lines at a time between the
          * query heads' dot products and V updates (see the header) */
         pf_cursor pc = {0};
@@ -124,70 +203,15 @@ static inline __attribute__((always_inline)) void item(
         }
         /* steps per query head in each of the two passes */
         const int per_pass = (int)((pc.rows * ((pc.span + 63) / 64) + 2 * nq - 1) / (2 * nq));
-        const __m256 live = _mm256_cmp_ps(
-            _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)nt), _CMP_LT_OQ);
-        /* three passes over the run's query heads, each free of the others' results, so
-         * the out-of-order core overlaps heads: scores, softmax update, weighted V rows */
-        for (int i = 0; i < h1 - h0; i++) {
-            const __m256 ks =
-                I8 ? _mm256_mul_ps(sc, run_scales(kb + i * row, tok_stride, D, nt)) : sc;
-            if (I8) widen_rows(ND, kb + i * row, tok_stride, nt, w);
-            for (int g = 0; g < G; g++) {
-                const int c = i * G + g;
-                __m256 part[8];
-                for (int r = 0; r < per_pass; r++) pf_step(&pc);
-                for (int t = 0; t < 8; t++) {
-                    if (t >= nt) {
-                        part[t] = _mm256_setzero_ps();
-                        continue;
-                    }
-                    const float *kr =
-                        I8 ? (const float *)w[t] : (const float *)(kb + t * tok_stride + i * row);
-                    __m256 d = _mm256_mul_ps(qv[c][0], _mm256_loadu_ps(kr));
-                    for (int j = 1; j < ND; j++)
-                        d = _mm256_fmadd_ps(qv[c][j], _mm256_loadu_ps(kr + 8 * j), d);
-                    part[t] = d;
-                }
-                sv[c] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(hsum8x8(part), ks), live);
-            }
-        }
-        for (int i = 0; i < h1 - h0; i++) {
-            const __m256 vs = I8 ? run_scales(vb + i * row, tok_stride, D, nt) : _mm256_setzero_ps();
-            for (int g = 0; g < G; g++) {
-                const int c = i * G + g;
-                const float bm = hmax8(sv[c]);
-                /* a new maximum rescales what was summed so far (exactly 1 otherwise) */
-                corr[c] = bm > m[c] ? exp_approx(m[c] - bm) : 1.0f;
-                m[c] = bm > m[c] ? bm : m[c];
-                const __m256 pv =
-                    _mm256_and_ps(exp256(_mm256_sub_ps(sv[c], _mm256_set1_ps(m[c]))), live);
-                l[c] = l[c] * corr[c] + hadd8(pv);
-                _mm256_store_ps(p[c], I8 ? _mm256_mul_ps(pv, vs) : pv);
-            }
-        }
-        for (int i = 0; i < h1 - h0; i++) {
-            if (I8) widen_rows(ND, vb + i * row, tok_stride, nt, w);
-            for (int g = 0; g < G; g++) {
-                const int c = i * G + g;
-                const __m256 cv = _mm256_set1_ps(corr[c]);
-                __m256 a[ITEM_MAX_ND]; /* this query head's accumulators, in registers */
-                for (int j = 0; j < ND; j++) a[j] = _mm256_mul_ps(acc[c][j], cv);
-                for (int r = 0; r < per_pass; r++) pf_step(&pc);
-                for (int t = 0; t < nt; t++) {
-                    const float *vr =
-                        I8 ? (const float *)w[t] : (const float *)(vb + t * tok_stride + i * row);
-                    const __m256 pb = _mm256_set1_ps(p[c][t]);
-                    for (int j = 0; j < ND; j++)
-                        a[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * j), a[j]);
-                }
-                for (int j = 0; j < ND; j++) acc[c][j] = a[j];
-            }
-        }
+        if (nt == 8)
+            run(ND, G, I8, 8, nh, &st, kc + at, vc + at, tok_stride, row, &pc, per_pass, sc);
+        else
+            run(ND, G, I8, nt, nh, &st, kc + at, vc + at, tok_stride, row, &pc, per_pass, sc);
     }
     for (int c = 0; c < nq; c++) {
         float *o = out + ((long)n * H + h0 * G + c) * D;
-        const __m256 inv = _mm256_set1_ps(1.0f / l[c]);
-        for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[c][j], inv));
+        const __m256 inv = _mm256_set1_ps(1.0f / st.l[c]);
+        for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(st.acc[c][j], inv));
     }
 }
 

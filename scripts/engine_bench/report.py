@@ -273,8 +273,8 @@ def print_int8_report(
     print()
     print(
         f"integer path (gguf_matmul=int8; int8 probe {int8_peak / 1e9:,.0f} GOP/s, "
-        f"{int8_peak / peak:.2f}x the float32 GEMM peak), float and int8 alternated row by "
-        "row in this run:"
+        f"{int8_peak / peak:.2f}x the float32 GEMM peak), float and int8 alternated run by "
+        "run in this run (median):"
     )
     print("| row | float32 | int8 | int8 / float32 | int8 limit | of int8 limit |")
     print("|---|---|---|---|---|---|")
@@ -362,8 +362,8 @@ def print_kv_int8_report(
     over the model's own cache."""
     print()
     print(
-        "int8 KV cache (kv_cache_dtype=int8, a second engine with int8 matmuls; its rows "
-        "timed after each float / int8 pair in this run):"
+        "int8 KV cache (kv_cache_dtype=int8, a second engine with int8 matmuls; its runs "
+        "alternated with the float / int8 ones in this run):"
     )
     print("| row | float32 | int8 | int8 + int8 KV | int8 / float32 | int8 + int8 KV / float32 |")
     print("|---|---|---|---|---|---|")
