@@ -169,8 +169,9 @@ class EngineOptions:
         CacheConfig.kv_cache_dtype,
         Flag(
             "--kv-cache-dtype",
-            "auto: the model's dtype; int8: half the bytes of bf16 per cached token "
-            "(faster decode attention, more tokens in the pool, ~7 bits of precision per row)",
+            "auto: the model's dtype; int8: 0.53x the bytes of bf16 and 0.27x those of "
+            "float32 per cached token (more tokens in the pool, less for decode attention to "
+            "read; ~7 bits of precision per row)",
             KV_CACHE_DTYPES,
         ),
     )

@@ -102,3 +102,24 @@ def test_the_bytes_of_a_decode_count_the_cache_as_it_is_held(report) -> None:  #
     assert own.bytes([512]) - base.weight_bytes == base.kv_bytes_per_token * 512
     assert int8.bytes([512]) - base.weight_bytes == int8_token * 512
     assert base.kv_bytes_per_token / int8_token == pytest.approx(256 / 68)
+
+
+def test_the_kv_cache_bench_refuses_bad_arguments_and_reports_a_failed_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_kv_int8
+
+    for bad in (["--pairs", "0"], ["--output", "-1"], ["--dtype", "float16"]):
+        with pytest.raises(SystemExit) as stop:
+            bench_kv_int8.main(bad)
+        assert stop.value.code == 2
+    assert "--pairs=0 must be >= 1" in capsys.readouterr().err
+
+    # a run whose process fails ends the bench with that failure's message (one line)
+    class Failed:
+        returncode, stdout, stderr = 1, "", "Traceback ...\nValueError: no model here"
+
+    monkeypatch.setattr(bench_kv_int8.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(SystemExit, match="the auto run failed: .*no model here"):
+        bench_kv_int8.main(["--pairs", "1"])
