@@ -145,8 +145,8 @@ def dequantize_kv_blocks_native(
 ) -> bool:
     """cache[blocks] of an int8 cache [num_blocks, block_size, Hkv, D + 4] dequantized in C
     into out, bf16 or float32 [len(blocks), block_size, Hkv, D]: the bits
-    `dequantize_kv_rows(..., out.dtype)` gives. False (nothing written) where the kernel does not apply;
-    IndexError for a block id outside the cache (nothing written)."""
+    `dequantize_kv_rows(..., out.dtype)` gives. False (nothing written) where the kernel
+    does not apply; IndexError for a block id outside the cache (nothing written)."""
     kernels = _get()
     if (
         kernels is None
