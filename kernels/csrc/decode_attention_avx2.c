@@ -7,8 +7,9 @@
  * none waiting on another head's results: the 8 keys' dot products as 8-lane partial
  * sums, summed across lanes 8 keys at once (hsum8x8); the online-softmax update on those
  * 8 scores (exp on 8 lanes); the weighted V rows into the head's accumulators. int8 rows
- * are widened to float32 once a run per KV head (not once per query head) and their
- * scales applied to the 8 scores and the 8 softmax weights, not to the rows.
+ * are widened to float32 once for a KV head's G query heads (keys in registers, a run's
+ * values into L1) and their scales applied to the 8 scores and the 8 softmax weights, not
+ * to the rows.
  *
  * Blocks are scattered over the cache, so the hardware prefetcher cannot see the next
  * rows coming. Their cache lines are requested a few at a time between the heads' dot
@@ -27,6 +28,7 @@
 
 #define ITEM_MAX_QHEADS 32 /* cpu_attention.c's MAX_ITEM_QHEADS */
 #define ITEM_MAX_ND 16     /* D up to 128 */
+#define ITEM_MAX_G 16      /* cpu_attention.c's MAX_G */
 #define PREFETCH_AHEAD 16 /* tokens: one block at the default block size */
 
 /* Walks the cache lines of a run's K and V rows: `rows` spans of `span` bytes, `stride`
@@ -86,8 +88,11 @@ typedef struct {
  * (kernels/kv_int8.py: D int8 values, then their float32 scale). An int8 key's scale
  * multiplies its summed dot product (one lane of the run's 8 scores), a value's scale
  * its softmax weight in the V update (the normalizer l sums the unscaled weights): the
- * rows are widened, never rescaled. ND, G, I8 and (for full runs) nt are compile-time
- * constants at the call sites: the loops unroll and the branches on them go. */
+ * rows are widened, never rescaled: each key row once, in registers, for the KV head's G
+ * queries; a run's value rows once per KV head, into st->w. ND, I8 and (for full runs)
+ * nt are compile-time constants at the call sites: the loops unroll and the branches on
+ * them go (G is not: one copy per group size made the object 7x larger and its build
+ * 28 s, for ~10 % on int8 rows and nothing on float32). */
 static inline __attribute__((always_inline)) void run(const int ND, const int G, const int I8,
                                                       const int nt, const int nh, item_state *st,
                                                       const char *kb, const char *vb,
@@ -99,7 +104,34 @@ static inline __attribute__((always_inline)) void run(const int ND, const int G,
                                       _mm256_set1_ps((float)nt), _CMP_LT_OQ);
     for (int i = 0; i < nh; i++) {
         const __m256 ks = I8 ? _mm256_mul_ps(sc, run_scales(kb + i * row, tok_stride, D, nt)) : sc;
-        if (I8) widen_rows(ND, kb + i * row, tok_stride, nt, st->w);
+        if (I8) {
+            /* each int8 key row widened once, in registers, for the head's G queries */
+            __m256 part[ITEM_MAX_G][8];
+            for (int t = 0; t < 8; t++) {
+                if (t >= nt) {
+                    for (int g = 0; g < G; g++) part[g][t] = _mm256_setzero_ps();
+                    continue;
+                }
+                const char *kr = kb + t * tok_stride + i * row;
+                __m256 k[ITEM_MAX_ND];
+                for (int j = 0; j < ND; j++)
+                    k[j] = _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(kr + 8 * j))));
+                for (int g = 0; g < G; g++) {
+                    const __m256 *qv = st->qv[i * G + g];
+                    __m256 d = _mm256_mul_ps(qv[0], k[0]);
+                    for (int j = 1; j < ND; j++) d = _mm256_fmadd_ps(qv[j], k[j], d);
+                    part[g][t] = d;
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                const int c = i * G + g;
+                for (int r = 0; r < per_pass; r++) pf_step(pc);
+                const __m256 scores = _mm256_mul_ps(hsum8x8(part[g]), ks);
+                st->sv[c] = nt == 8 ? scores : _mm256_blendv_ps(neg_inf, scores, live);
+            }
+            continue;
+        }
         for (int g = 0; g < G; g++) {
             const int c = i * G + g;
             __m256 part[8];
@@ -109,8 +141,7 @@ static inline __attribute__((always_inline)) void run(const int ND, const int G,
                     part[t] = _mm256_setzero_ps();
                     continue;
                 }
-                const float *kr =
-                    I8 ? (const float *)st->w[t] : (const float *)(kb + t * tok_stride + i * row);
+                const float *kr = (const float *)(kb + t * tok_stride + i * row);
                 __m256 d = _mm256_mul_ps(st->qv[c][0], _mm256_loadu_ps(kr));
                 for (int j = 1; j < ND; j++)
                     d = _mm256_fmadd_ps(st->qv[c][j], _mm256_loadu_ps(kr + 8 * j), d);
