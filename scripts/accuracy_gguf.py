@@ -136,7 +136,8 @@ def main() -> None:
         ("int8", "int8"),
     ):
         if model.set_gguf_matmul(mode) == 0 and mode == "int8":
-            print("int8: no GGUF matmul takes the integer path on this build; skipped")
+            if kv_cache_dtype == "auto":  # said once for both of int8's rows
+                print("int8: no GGUF matmul takes the integer path on this build; skipped")
             continue
         name = mode if kv_cache_dtype == "auto" else f"{mode}+kv_int8"
         logits[name] = [
