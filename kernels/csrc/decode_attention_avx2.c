@@ -50,8 +50,8 @@ static inline __attribute__((always_inline)) void pf_step(pf_cursor *c) {
     if (c->off >= c->span) c->off = 0, c->row++;
 }
 
-/* The run's nt int8 rows of one head (row_stride bytes apart) widened to float32 into
- * w[t] (their scales applied outside: see item), once for the head's G query heads */
+/* The run's nt int8 value rows of one head (row_stride bytes apart) widened to float32
+ * into w[t] (their scales applied outside: see run), once for the head's G query heads */
 static inline __attribute__((always_inline)) void widen_rows(const int ND, const char *r,
                                                              long row_stride, int nt,
                                                              __m256 w[8][ITEM_MAX_ND]) {
