@@ -246,18 +246,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"end-to-end requests: {len(prompts)} x {max_new} output tokens, {e2e_source}")
     num_blocks = max(num_blocks, sum(-(-(len(p) + max_new) // 16) for p in prompts) + 64)
     dummy = args.load_format == "dummy"
-    llm = LLM(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        num_kv_blocks=num_blocks,
-        max_model_len=PROMPT_LEN + 64,
-        max_num_seqs=64,
-        num_threads=args.threads,
-        attention_backend=args.attention_backend,
-        gguf_matmul=args.gguf_matmul,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+
+    def engine(gguf_matmul: str, kv_cache_dtype: str) -> LLM:
+        """The benchmarked engine (the --int8-kv-cache column's differs in these two)."""
+        return LLM(
+            model=args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            num_kv_blocks=num_blocks,
+            max_model_len=PROMPT_LEN + 64,
+            max_num_seqs=64,
+            num_threads=args.threads,
+            attention_backend=args.attention_backend,
+            gguf_matmul=gguf_matmul,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
+    llm = engine(args.gguf_matmul, args.kv_cache_dtype)
     cost = model_cost(llm, dtype)
     print(
         f"attention backend in use: {llm.engine.runner.model.attention.name}; GGUF matmuls: "
@@ -288,22 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         b: bench.decode_eager_ab(b, runs) for b in EAGER_AB_BATCHES if b <= max(max_fused, 1)
     }
     print(f"ours done ({time.perf_counter() - t_start:.0f} s)", flush=True)
-    kv_int8_llm = (
-        LLM(
-            model=args.model,
-            load_format=args.load_format,
-            dtype=args.dtype,
-            num_kv_blocks=num_blocks,
-            max_model_len=PROMPT_LEN + 64,
-            max_num_seqs=64,
-            num_threads=args.threads,
-            attention_backend=args.attention_backend,
-            gguf_matmul="int8",
-            kv_cache_dtype="int8",
-        )
-        if args.int8_kv_cache
-        else None
-    )
+    kv_int8_llm = engine("int8", "int8") if args.int8_kv_cache else None
     gguf_rows = (
         measure_gguf_matmuls(
             llm, bench, runs, None if kv_int8_llm is None else RunnerBench(kv_int8_llm)

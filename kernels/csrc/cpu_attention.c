@@ -390,6 +390,14 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
     return tables_in_range(tables, table_stride, lens, nd, block_size, num_blocks) ? 0 : -2;
 }
 
+/* KV heads per decode work item: a sequence's KV heads together (as many as
+ * MAX_ITEM_QHEADS query heads allow) when there are enough sequences to share out, else
+ * single heads (more items than threads). */
+static inline int heads_per_item(int nd, int H, int Hkv) {
+    const int fit = MAX_ITEM_QHEADS / (H / Hkv);
+    return nd >= 4 ? (Hkv < fit ? Hkv : fit) : 1;
+}
+
 /* The portable item (no AVX-512): KV heads [h0, h1) of sequence n, each with its G query
  * heads, block by block, every head of the item per block, so a block's rows are read
  * front to back once; the next block's rows are requested while this one is summed
@@ -465,19 +473,16 @@ int decode_attention_check(const int32_t *tables, long table_stride, const int32
         if (nd < 4 && AVX_SPLIT(q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, \
                                 nd, H, Hkv, D, block_size, scale))                             \
             return 0;                                                                          \
-        /* work items: a sequence's KV heads together (as many as MAX_ITEM_QHEADS query    \
-         * heads allow) when there are enough sequences to share out, else single heads    \
-         * (more items than threads) */                                                     \
-        const int G = H / Hkv, fit = MAX_ITEM_QHEADS / G;                                      \
-        const int per_item = nd >= 4 ? (Hkv < fit ? Hkv : fit) : 1;                            \
+        const int per_item = heads_per_item(nd, H, Hkv);                                       \
         const int groups = (Hkv + per_item - 1) / per_item;                                    \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                       \
         for (long item = 0; item < (long)nd * groups; item++) {                                \
             const int n = (int)(item / groups), h0 = (int)(item % groups) * per_item;          \
             const int h1 = h0 + per_item < Hkv ? h0 + per_item : Hkv;                          \
-            /* constant head sizes get their own fully unrolled copy */                       \
-            if (AVX_ITEM(D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, \
-                         n, h0, h1, H, Hkv, block_size, scale, 0, lens[n], NULL))              \
+            /* constant head sizes get their own fully unrolled copy */                        \
+            if (AVX_ITEM(D, H / Hkv, q, q_stride, k_cache, v_cache, tables, table_stride,      \
+                         lens, out, n, h0, h1, H, Hkv, block_size, scale, 0, lens[n],          \
+                         NULL))                                                                \
                 continue;                                                                      \
             if (D == 64)                                                                       \
                 NAME##_item(64, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,  \
@@ -595,23 +600,24 @@ DEFINE_SPLIT_DECODE(split_decode_i8_f32, float, int8_t, avx_item_i8_f32, combine
 #define SPLIT_BF16(...) 0
 /* int8 rows: float32 queries on AVX2 + FMA builds (decode_attention_avx2.c; every item
  * the entry below makes at head sizes 64 and 128), bf16 queries on AVX-512 only */
-#define I8_BF16_BUILT 0
-#if defined(AVX2_ONLY)
-#define I8_F32_BUILT 1
-#else
-#define I8_F32_BUILT 0
-#endif
 /* stands in for a kernel this build lacks (its arguments count as used) */
 static inline int not_built(int first, ...) {
     (void)first;
     return 0;
 }
+#define I8_BF16_BUILT 0
 #define ITEM_I8_BF16(...) not_built(__VA_ARGS__)
 #define SPLIT_I8_BF16(...) not_built(0, __VA_ARGS__)
+#if defined(AVX2_ONLY)
+#define I8_F32_BUILT 1
 #define ITEM_I8_F32(D_, G_, q_, qs_, kc_, vc_, tb_, ts_, ln_, o_, n_, h0_, h1_, H_, Hkv_, bs_,   \
                     sc_, k0_, k1_, split_)                                                      \
     decode_item_avx2_i8_f32(D_, G_, q_, qs_, kc_, vc_, tb_, ts_, ln_, o_, n_, h0_, h1_, H_,     \
                             Hkv_, bs_, sc_)
+#else
+#define I8_F32_BUILT 0
+#define ITEM_I8_F32(...) not_built(__VA_ARGS__)
+#endif
 #define SPLIT_I8_F32(...) not_built(0, __VA_ARGS__)
 #endif
 
@@ -635,8 +641,7 @@ DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, widen_bf16, narrow_bf16, IT
         if (nd < 4 && SPLIT(q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,    \
                             nd, H, Hkv, D, block_size, scale))                                 \
             return 0;                                                                          \
-        const int G = H / Hkv, fit = MAX_ITEM_QHEADS / G;                                      \
-        const int per_item = nd >= 4 ? (Hkv < fit ? Hkv : fit) : 1;                            \
+        const int G = H / Hkv, per_item = heads_per_item(nd, H, Hkv);                          \
         const int groups = (Hkv + per_item - 1) / per_item;                                    \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                       \
         for (long item = 0; item < (long)nd * groups; item++) {                                \

@@ -246,36 +246,35 @@ static inline __attribute__((always_inline)) void item(
     }
 }
 
+/* One item with the head size as a compile-time constant; 0 where none is built. */
+static inline __attribute__((always_inline)) int dispatch(
+    const int I8, int D, int G, const float *q, long q_stride, const void *k_cache,
+    const void *v_cache, const int32_t *tables, long table_stride, const int32_t *lens,
+    float *out, int n, int h0, int h1, int H, int Hkv, int block_size, float scale) {
+    if ((h1 - h0) * G > ITEM_MAX_QHEADS || (D != 64 && D != 128)) return 0;
+    if (D == 64)
+        item(8, G, I8, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1,
+             H, Hkv, block_size, scale);
+    else
+        item(16, G, I8, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1,
+             H, Hkv, block_size, scale);
+    return 1;
+}
+
 int decode_item_avx2_f32(int D, int G, const float *q, long q_stride, const float *k_cache,
                          const float *v_cache, const int32_t *tables, long table_stride,
                          const int32_t *lens, float *out, int n, int h0, int h1, int H, int Hkv,
                          int block_size, float scale) {
-    if ((h1 - h0) * G > ITEM_MAX_QHEADS) return 0;
-    if (D == 64)
-        item(8, G, 0, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1,
-             H, Hkv, block_size, scale);
-    else if (D == 128)
-        item(16, G, 0, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1,
-             H, Hkv, block_size, scale);
-    else
-        return 0;
-    return 1;
+    return dispatch(0, D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n,
+                    h0, h1, H, Hkv, block_size, scale);
 }
 
 int decode_item_avx2_i8_f32(int D, int G, const float *q, long q_stride, const int8_t *k_cache,
                             const int8_t *v_cache, const int32_t *tables, long table_stride,
                             const int32_t *lens, float *out, int n, int h0, int h1, int H,
                             int Hkv, int block_size, float scale) {
-    if ((h1 - h0) * G > ITEM_MAX_QHEADS) return 0;
-    if (D == 64)
-        item(8, G, 1, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1,
-             H, Hkv, block_size, scale);
-    else if (D == 128)
-        item(16, G, 1, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n, h0, h1,
-             H, Hkv, block_size, scale);
-    else
-        return 0;
-    return 1;
+    return dispatch(1, D, G, q, q_stride, k_cache, v_cache, tables, table_stride, lens, out, n,
+                    h0, h1, H, Hkv, block_size, scale);
 }
 
 #else
@@ -288,16 +287,6 @@ int decode_item_avx2_f32(int D, int G, const float *q, long q_stride, const floa
     (void)table_stride, (void)lens, (void)out, (void)n, (void)h0, (void)h1, (void)H, (void)Hkv;
     (void)block_size, (void)scale;
     return 0; /* AVX-512 builds use their own item; others without AVX2 the portable loop */
-}
-
-int decode_item_avx2_i8_f32(int D, int G, const float *q, long q_stride, const int8_t *k_cache,
-                            const int8_t *v_cache, const int32_t *tables, long table_stride,
-                            const int32_t *lens, float *out, int n, int h0, int h1, int H,
-                            int Hkv, int block_size, float scale) {
-    (void)D, (void)G, (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)tables;
-    (void)table_stride, (void)lens, (void)out, (void)n, (void)h0, (void)h1, (void)H, (void)Hkv;
-    (void)block_size, (void)scale;
-    return 0;
 }
 
 #endif
