@@ -90,8 +90,13 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
             __m512i w[TILE_NP], x[TILE_MR];
-            for (int j = 0; j < NP; j++)
+            for (int j = 0; j < NP; j++) {
                 w[j] = _mm512_loadu_si512(wq + ((p + j) * KB + b) * (long)PANEL_BLOCK_BYTES + 64 * r);
+                /* held in a register for the MR rows: left free, compilers load the run
+                 * again for every row (VPDPBUSD's unsigned operand cannot come from
+                 * memory), a 64-byte load per instruction */
+                __asm__("" : "+v"(w[j]));
+            }
             for (int i = 0; i < MR; i++) {
                 int32_t four;
                 memcpy(&four, xq + (long)i * K + 32L * b + 4 * r, 4);
