@@ -5,11 +5,13 @@
  * kernels/csrc/int8_panels.c does it (int32 -> float, d_w * d_x, two FMAs), 8 columns
  * vectors at a time (its 4-row x 2-panel tile). Prints int8 multiply-adds per ns and the
  * ratio: the most a per-32-block-scaled int8 matmul can reach on this core, before loads.
- * Not part of the build; on a CPU with AVX512-VNNI:
+ * Not part of the build; on a CPU with AVX512-VNNI (argument: millions of VPDPBUSD rounds
+ * of 16, default 20; tests/test_int8_block_probe.py runs 1):
  *   gcc -O3 -march=native -o /tmp/int8_block_probe scripts/int8_block_probe.c && \
  *       /tmp/int8_block_probe */
 #include <immintrin.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 
 #define SETS 8 /* output vectors a round: the tile's 4 rows x 2 panels */
@@ -86,10 +88,14 @@ static __attribute__((noinline)) float block_scaled(long iters, const float *sca
     return out[0];
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     static float scales[32 + 2 * SETS];
     for (int i = 0; i < 32 + 2 * SETS; i++) scales[i] = 1e-3f * (float)(1 + i % 5);
-    const long n = 20000000;
+    const long n = (argc > 1 ? atol(argv[1]) : 20) * 1000000L;
+    if (n <= 0) {
+        fprintf(stderr, "int8_block_probe: the argument is millions of rounds (> 0)\n");
+        return 2;
+    }
     volatile float sink = 0;
     printf("| VPDPBUSD alone (MAC/ns) | in the block mix (MAC/ns) | ratio |\n|---|---|---|\n");
     for (int rep = 0; rep < 3; rep++) {
