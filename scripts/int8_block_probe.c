@@ -1,10 +1,11 @@
-/* Probe behind docs/KERNELS.md's "How far the block formats let int8 go": one thread's rate
- * of 512-bit VPDPBUSD alone (the int8 probe of bench_engine.py / bench_int8_dot.py) and of
- * the same instructions in the GGUF block formats' mix, all operands in registers or L1:
- * per 32-value block and 16 output columns, 8 VPDPBUSD, then the block's scaling as
- * kernels/csrc/int8_panels.c does it (int32 -> float, d_w * d_x, two FMAs), 8 columns
- * vectors at a time (its 4-row x 2-panel tile). Prints int8 multiply-adds per ns and the
- * ratio: the most a per-32-block-scaled int8 matmul can reach on this core, before loads.
+/* Probe behind docs/KERNELS.md's "Zen 4 (2026-12-07): ... the block formats' ceiling
+ * measured": one thread's rate of 512-bit VPDPBUSD alone (the int8 probe of
+ * bench_engine.py / bench_int8_dot.py) and of the same instructions in the GGUF block
+ * formats' mix, operands in registers or L1: per 32-value block and 16 output columns, 8
+ * VPDPBUSD, then the block's scaling as kernels/csrc/int8_panels.c does it (int32 -> float,
+ * d_w * d_x, two FMAs), 8 output vectors a round (its 4-row x 2-panel tile). Prints int8
+ * multiply-adds per ns and the ratio: the most a per-32-block-scaled int8 matmul can reach
+ * on this core, before loads.
  * Not part of the build; on a CPU with AVX512-VNNI (argument: millions of VPDPBUSD rounds
  * of 16, default 20; tests/test_int8_block_probe.py runs 1):
  *   gcc -O3 -march=native -o /tmp/int8_block_probe scripts/int8_block_probe.c && \
