@@ -1,6 +1,7 @@
 """Accuracy of the integer-dot GGUF path (`gguf_matmul="int8"`), of the int8 KV cache
-(`kv_cache_dtype="int8"`, with either matmul path) and of llama.cpp on the same GGUF file,
-against our float32 path: teacher-forced next-token distributions over a fixed set of
+(`kv_cache_dtype="int8"`, with either matmul path), of bf16 (`dtype=auto` where the CPU has
+native bf16; `--no-bf16` skips it) and of llama.cpp on the same GGUF file, against our
+float32 path: teacher-forced next-token distributions over a fixed set of
 texts (sarazmq.perf.token_agreement), as top-1 agreement and KL(float32 || path).
 
     python scripts/accuracy_gguf.py [--chunk 512] [--threads 2]
@@ -109,10 +110,18 @@ def main() -> None:
     parser.add_argument("--model", default=EngineConfig().model)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--texts", type=int, default=len(TEXTS), help=f"the first N of the {len(TEXTS)} texts"
+    )
+    parser.add_argument(
+        "--no-bf16", action="store_true", help="skip the bf16 row (slow without native bf16)"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.chunk < 1 or args.threads < 1:
         parser.error(f"--chunk and --threads must be >= 1 (got {args.chunk}, {args.threads})")
+    if not 1 <= args.texts <= len(TEXTS):
+        parser.error(f"--texts must be 1 to {len(TEXTS)}, got {args.texts}")
     torch.set_num_threads(args.threads)
 
     try:
@@ -123,7 +132,7 @@ def main() -> None:
         parser.error(f"{args.model!r} is not a GGUF model")
     config = load_model_config(source)
     tokenizer = load_tokenizer(source)
-    texts = [tokenizer.encode(t) for t in TEXTS]
+    texts = [tokenizer.encode(t) for t in TEXTS[: args.texts]]
     attention = select_attention_backend("auto", torch.device("cpu"), 16, torch.float32)
     model = load_model(source, config, torch.float32, "cpu", attention)
     model.prepack_linear_weights()  # as a worker serves it (build_model_runner)
@@ -143,6 +152,14 @@ def main() -> None:
         logits[name] = [
             teacher_forced_logits(model, ids, args.chunk, kv_cache_dtype) for ids in texts
         ]
+    if not args.no_bf16:
+        # bf16, dtype=auto's choice on CPUs with native bf16: the accuracy the int8 path is
+        # weighed against there (the float path; its blocks dequantized to bf16)
+        del model
+        bf16_attention = select_attention_backend("auto", torch.device("cpu"), 16, torch.bfloat16)
+        model = load_model(source, config, torch.bfloat16, "cpu", bf16_attention)
+        model.prepack_linear_weights()
+        logits["bf16"] = [teacher_forced_logits(model, ids, args.chunk) for ids in texts]
     peer = llama_cpp_logits(source.gguf_path, texts, args.threads, args.chunk)
     if isinstance(peer, str):
         print(f"llama.cpp: skipped, {peer}")
@@ -165,6 +182,7 @@ def main() -> None:
             "int8": "sarazmq int8 dot",
             "float+kv_int8": "sarazmq float32, int8 KV cache",
             "int8+kv_int8": "sarazmq int8 dot, int8 KV cache",
+            "bf16": "sarazmq bf16 (float path)",
         }.get(name, name)
         print(row(label, a))
     if args.json:
