@@ -11,7 +11,8 @@
 # SARAZMQ_ARGS adds options to `sarazmq serve` (e.g. "--dtype float32" for float32 with its
 # int8 GGUF matmuls where `auto` picks them). PEERS picks the peers (default vllm): "llamacpp" serves the same GGUF with llama.cpp's
 # llama-server (scripts/llamacpp_serve.sh; LLAMA_SERVER=/path/to/llama-server), "vllm llamacpp"
-# both; scripts/peer_llamacpp.sh is PEERS=llamacpp.
+# both; scripts/peer_llamacpp.sh is PEERS=llamacpp. WORKLOADS picks the workloads (default
+# "azure_code azure_conv saturation"; e.g. WORKLOADS=saturation for a ~5-minute run).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 peer="${PEER_DIR:-$here/../shared/peers/vllm}"
@@ -25,6 +26,10 @@ case "${VLLM_DTYPE:-bfloat16}" in bfloat16|float32) ;;
   *) echo "VLLM_DTYPE must be bfloat16 or float32, got '$VLLM_DTYPE'" >&2; exit 2 ;; esac
 for p in $PEERS; do case "$p" in vllm|llamacpp) ;;
   *) echo "PEERS: unknown peer '$p' (vllm, llamacpp)" >&2; exit 2 ;; esac; done
+read -r -a workloads <<< "${WORKLOADS:-azure_code azure_conv saturation}"
+[[ ${#workloads[@]} -gt 0 ]] || { echo "WORKLOADS is empty (azure_code, azure_conv, saturation)" >&2; exit 2; }
+for wl in "${workloads[@]}"; do case "$wl" in azure_code|azure_conv|saturation) ;;
+  *) echo "WORKLOADS: unknown workload '$wl' (azure_code, azure_conv, saturation)" >&2; exit 2 ;; esac; done
 if [[ " $PEERS " == *" llamacpp "* && ! -x "${LLAMA_SERVER:-}" ]]; then
   echo "PEERS has llamacpp: set LLAMA_SERVER to an executable llama-server" >&2; exit 2
 fi
@@ -59,7 +64,6 @@ bench() {  # bench LABEL WORKLOAD
       RESULT_FILENAME="$label-$wl.json" bash "$peer/bench.sh" "http://127.0.0.1:$PORT" "$OUT/res"
   fi > "$OUT/$label-$wl.log" 2>&1 || { echo "bench $label $wl failed:"; tail -5 "$OUT/$label-$wl.log"; exit 1; }
 }
-workloads=(azure_code azure_conv saturation)
 
 spid="" lpid=""
 trap '[[ -n "$spid" ]] && kill -INT "$spid" 2>/dev/null; [[ -n "$lpid" ]] && kill -INT -- "-$lpid" 2>/dev/null; bash "$peer/stop.sh" "$PORT" >/dev/null 2>&1 || true' EXIT
