@@ -4,7 +4,7 @@ native bf16; `--no-bf16` skips it) and of llama.cpp on the same GGUF file, again
 float32 path: teacher-forced next-token distributions over a fixed set of
 texts (sarazmq.perf.token_agreement), as top-1 agreement and KL(float32 || path).
 
-    python scripts/accuracy_gguf.py [--chunk 512] [--threads 2]
+    python scripts/accuracy_gguf.py [--chunk 512] [--threads 2] [--texts 12] [--no-bf16]
     # llama.cpp's row: its Python binding importable, e.g. from llama-cpp-python's sdist
     # with the libraries its CMake build made (scripts/peer_clients.sh builds them):
     PYTHONPATH=$SDIST:$DISKCACHE LLAMA_CPP_LIB_PATH=$SDIST/vendor/llama.cpp/build/bin \\
