@@ -1,8 +1,8 @@
 """Accuracy of the integer-dot GGUF path (`gguf_matmul="int8"`), of the int8 KV cache
 (`kv_cache_dtype="int8"`, with either matmul path), of bf16 (`dtype=auto` where the CPU has
 native bf16; `--no-bf16` skips it) and of llama.cpp on the same GGUF file, against our
-float32 path: teacher-forced next-token distributions over a fixed set of
-texts (sarazmq.perf.token_agreement), as top-1 agreement and KL(float32 || path).
+float32 path: teacher-forced next-token distributions over a fixed set of texts
+(sarazmq.perf.token_agreement), as top-1 agreement and KL(float32 || path).
 
     python scripts/accuracy_gguf.py [--chunk 512] [--threads 2] [--texts 12] [--no-bf16]
     # llama.cpp's row: its Python binding importable, e.g. from llama-cpp-python's sdist
@@ -24,6 +24,7 @@ import torch
 
 from sarazmq.config import EngineConfig
 from sarazmq.kernels import select_attention_backend
+from sarazmq.model.llama import LlamaForCausalLM
 from sarazmq.model.loader import load_model, load_model_config, load_tokenizer, resolve_model
 from sarazmq.perf.token_agreement import Agreement, pooled, teacher_forced_logits
 
@@ -133,9 +134,15 @@ def main() -> None:
     config = load_model_config(source)
     tokenizer = load_tokenizer(source)
     texts = [tokenizer.encode(t) for t in TEXTS[: args.texts]]
-    attention = select_attention_backend("auto", torch.device("cpu"), 16, torch.float32)
-    model = load_model(source, config, torch.float32, "cpu", attention)
-    model.prepack_linear_weights()  # as a worker serves it (build_model_runner)
+
+    def served(dtype: torch.dtype) -> LlamaForCausalLM:
+        # the model as a worker serves it in `dtype` (build_model_runner)
+        attention = select_attention_backend("auto", torch.device("cpu"), 16, dtype)
+        model = load_model(source, config, dtype, "cpu", attention)
+        model.prepack_linear_weights()
+        return model
+
+    model = served(torch.float32)
 
     logits: dict[str, list[torch.Tensor]] = {}
     for mode, kv_cache_dtype in (
@@ -156,9 +163,7 @@ def main() -> None:
         # bf16, dtype=auto's choice on CPUs with native bf16: the accuracy the int8 path is
         # weighed against there (the float path; its blocks dequantized to bf16)
         del model
-        bf16_attention = select_attention_backend("auto", torch.device("cpu"), 16, torch.bfloat16)
-        model = load_model(source, config, torch.bfloat16, "cpu", bf16_attention)
-        model.prepack_linear_weights()
+        model = served(torch.bfloat16)
         logits["bf16"] = [teacher_forced_logits(model, ids, args.chunk) for ids in texts]
     peer = llama_cpp_logits(source.gguf_path, texts, args.threads, args.chunk)
     if isinstance(peer, str):
