@@ -135,6 +135,13 @@ def cpu_has_flag(flag: str) -> bool:
     return flag in visible_cpu_flags(_cpu_signature().split(), cpu_isa_cap())
 
 
+def compile_flags(cap: str) -> tuple[str, ...]:
+    """The compiler flags the library is built with under instruction-set cap `cap` (a key
+    of `CPU_ISA_MARCH`), for tools that compile the sources the same way (the tests that
+    read the generated code). KeyError for an unknown cap."""
+    return (*CPU_ISA_MARCH[cap], *_FLAGS)
+
+
 def load_library() -> ctypes.CDLL | None:
     """Builds (once, cached on disk) and loads the kernel library; None when unavailable."""
     with _lock:
@@ -161,7 +168,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         if path.suffix in (".c", ".h"):
             key.update(path.name.encode())
             key.update(path.read_bytes())
-    flags = (*CPU_ISA_MARCH[cpu_isa_cap()], *_FLAGS)
+    flags = compile_flags(cpu_isa_cap())
     key.update(" ".join((cc, *flags)).encode())
     key.update(_cpu_signature().encode())
     out_dir = _cache_dir()

@@ -288,9 +288,9 @@ int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *
 }
 
 /* Peak probes for scripts/bench_int8_dot.py and bench_engine.py --int8: `iters` rounds of
- * independent accumulator chains per thread (OpenMP). int8 = 1: 10 VPMADDUBSW a round, 32
+ * independent accumulator chains per thread (OpenMP). int8 = 1: 8 VPMADDUBSW a round, 32
  * int8 MACs each, summed in int16 by VPADDW (int8_panels.c's inner loop, the fastest AVX2
- * int8 dot-accumulate: VPMADDUBSW's throughput is the limit), or chains of VPDPBUSD where
+ * int8 dot-accumulate: the two together are the limit), or chains of VPDPBUSD where
  * the build has it, on the panels' vector width (16 of 512-bit ones, 64 MACs each, where
  * INT8_DPBUSD512; else 10 of INT8_DPBUSD's 256-bit ones); int8 = 0: 10 chains of
  * VFMADD231PS (8 float32 MACs each). Returns the MACs done (all threads); the caller times
@@ -315,6 +315,7 @@ static __attribute__((noinline)) int probe_int8(long iters, int seed) {
 }
 #else
 #define PROBE_INT8_MACS 32
+#if defined(INT8_DPBUSD)
 #define PROBE_INT8_CHAINS PROBE_CHAINS
 static __attribute__((noinline)) int probe_int8(long iters, int seed) {
     const __m256i w = _mm256_set1_epi8(7);
@@ -322,20 +323,50 @@ static __attribute__((noinline)) int probe_int8(long iters, int seed) {
     __m256i a[PROBE_CHAINS];
     for (int c = 0; c < PROBE_CHAINS; c++) a[c] = _mm256_setzero_si256();
     /* PROBE_CHAINS independent chains: VPDPBUSD's latency (~5 cycles) times its throughput
-     * (2 a cycle) needs 10 in flight; VPADDW's 1-cycle chains need fewer */
+     * (2 a cycle) needs 10 in flight */
     for (long it = 0; it < iters; it++) {
         PROBE_BAR(x);
-        for (int c = 0; c < PROBE_CHAINS; c++) {
-#if defined(INT8_DPBUSD)
-            a[c] = INT8_DPBUSD(a[c], w, x);
-#else
-            a[c] = _mm256_add_epi16(a[c], _mm256_maddubs_epi16(w, x));
-#endif
-        }
+        for (int c = 0; c < PROBE_CHAINS; c++) a[c] = INT8_DPBUSD(a[c], w, x);
     }
     for (int c = 1; c < PROBE_CHAINS; c++) a[0] = _mm256_add_epi32(a[0], a[c]);
     return _mm256_extract_epi32(a[0], 0);
 }
+#else
+#define PROBE_INT8_CHAINS 8
+/* 8 VPMADDUBSW a round, each of a different (weight, activation) pair and added into its
+ * own int16 accumulator: the products do not depend on the sums (only the 1-cycle VPADDW
+ * chains do), and the activations are opaque every round. With one pair for every chain
+ * (as before 2026-12-08) the compiler computed the product once a round and the probe
+ * timed VPADDW and spills, not VPMADDUBSW. */
+static __attribute__((noinline)) int probe_int8(long iters, int seed) {
+    const __m256i w0 = _mm256_set1_epi8(7), w1 = _mm256_set1_epi8(5);
+    __m256i x0 = _mm256_set1_epi8((char)seed), x1 = _mm256_set1_epi8((char)(seed + 1)),
+            x2 = _mm256_set1_epi8((char)(seed + 2)), x3 = _mm256_set1_epi8((char)(seed + 3));
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0,
+            a6 = a0, a7 = a0;
+    for (long it = 0; it < iters; it++) {
+        PROBE_BAR(x0);
+        PROBE_BAR(x1);
+        PROBE_BAR(x2);
+        PROBE_BAR(x3);
+        a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(w0, x0));
+        a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(w1, x0));
+        a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(w0, x1));
+        a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(w1, x1));
+        a4 = _mm256_add_epi16(a4, _mm256_maddubs_epi16(w0, x2));
+        a5 = _mm256_add_epi16(a5, _mm256_maddubs_epi16(w1, x2));
+        a6 = _mm256_add_epi16(a6, _mm256_maddubs_epi16(w0, x3));
+        a7 = _mm256_add_epi16(a7, _mm256_maddubs_epi16(w1, x3));
+        /* the sums stay in registers (left free, GCC kept some on the stack: a store and
+         * reload in every chain) */
+        __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),
+                "+x"(a7));
+    }
+    a0 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(a0, a1), _mm256_add_epi16(a2, a3)),
+                          _mm256_add_epi16(_mm256_add_epi16(a4, a5), _mm256_add_epi16(a6, a7)));
+    return _mm256_extract_epi16(a0, 0);
+}
+#endif
 #endif
 
 static __attribute__((noinline)) int probe_f32(long iters, int seed) {
