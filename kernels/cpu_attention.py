@@ -37,7 +37,7 @@ from .cpu_attention_kernels import (
 )
 from .cpu_ops import TORCH_OPS, HotOps, NativeCpuOps
 from .decode_step import DecodeLayerWeights, FusedDecodeStep, StepSizes
-from .hybrid_step import HybridStep
+from .hybrid_step import HybridStep, hybrid_step_kind
 from .kv_int8 import (
     INT8_SCALE_BYTES,
     dequantize_kv_blocks_native,
@@ -109,14 +109,15 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> HybridStep | None:
         """A Llama model's hybrid iteration in one native call (see
         `sarazmq.kernels.hybrid_step`) where this backend's per-op path runs exactly its
-        kernels: matmuls on AMX tiles (`ops.reads_tiles`) and bf16 prefill chunks through
-        the AMX prefill kernel; None elsewhere or where a tensor does not fit."""
-        if not (
-            isinstance(self.ops, NativeCpuOps)
-            and self.ops.reads_tiles
-            and self.native_prefill
-            and prefill_amx_available()
-        ):
+        kernels: matmuls on AMX tiles (`ops.reads_tiles`) with bf16 prefill chunks through
+        the AMX prefill kernel, or Q4 int8 panels with float32 chunks through the float32
+        prefill kernel; None elsewhere or where a tensor does not fit."""
+        kind = hybrid_step_kind(layers)
+        if not (isinstance(self.ops, NativeCpuOps) and self.native_prefill):
+            return None
+        if kind == "tiles" and not (self.ops.reads_tiles and prefill_amx_available()):
+            return None
+        if kind == "int8" and not prefill_f32_available():
             return None
         try:
             return HybridStep(

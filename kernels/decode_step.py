@@ -97,6 +97,15 @@ _FORMAT = {"q4": 1, "q8": 2}  # kernels.h's DECODE_STEP_W_Q4, _Q8 (DECODE_STEP_W
 _FORMAT_INT8_PANELS = 3  # DECODE_STEP_W_I8P
 
 
+def slot_pointers(name: str, t: Matmul | torch.Tensor) -> dict[str, int]:
+    """The table slots a layer's tensor `name` fills and their addresses: a matmul held as
+    GGUF blocks or int8 panels fills its own slot with its values and "<name>_scales"
+    with its scales; any other tensor its own slot."""
+    if isinstance(t, (BlockQuantWeight, Int8Panels)):
+        return {name: t.qs.data_ptr(), name + _SCALES: t.scales.data_ptr()}
+    return {name: t.data_ptr()}
+
+
 class DecodeLayerWeights(NamedTuple):
     """One decoder layer's tensors, as the fused step reads them (all contiguous), named
     as kernels.h's DECODE_STEP_LAYER_SLOTS names their slots. A step also takes a matmul
@@ -318,11 +327,8 @@ class FusedDecodeStep:
         for weights, caches in zip(layers, kv_caches, strict=True):
             row = [0] * len(layout.slots)
             for name, t in zip(DecodeLayerWeights._fields, weights, strict=True):
-                if isinstance(t, (BlockQuantWeight, Int8Panels)):
-                    row[slot[name]] = t.qs.data_ptr()
-                    row[slot[name + _SCALES]] = t.scales.data_ptr()
-                else:
-                    row[slot[name]] = t.data_ptr()
+                for filled, address in slot_pointers(name, t).items():
+                    row[slot[filled]] = address
             for name, t in zip(KV_SLOTS, caches, strict=True):
                 row[slot[name]] = t.data_ptr()
             ptrs.extend(row)

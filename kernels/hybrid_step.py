@@ -1,18 +1,24 @@
-"""A bf16 hybrid iteration in one C call (kernels/csrc/hybrid_step.c).
+"""A hybrid iteration in one C call (kernels/csrc/hybrid_step.c).
 
 At a few hundred rows (a prefill chunk and the running decodes) the per-op path
 (`LlamaForCausalLM.forward` with `NativeCpuOps` and `CpuPagedAttention`) spends a tenth of
 an iteration in Python and torch around its ~300 kernel calls, while the other OpenMP
-threads wait. Where every matmul runs on AMX tiles and prefill chunks take the AMX prefill
-kernel, that path's kernels are exactly these: `HybridStep` runs them in the same order
-in one C function, so the output is bitwise the per-op path's (tested). It is built by
-the model from its weights' tile layouts and KV caches when the backend offers it
-(`CpuPagedAttention.hybrid_step`); `run` returns None wherever it does not apply (one row,
-another dtype, a layout it does not take) and the model takes the per-op path.
+threads wait. Where that path's kernels are all native, `HybridStep` runs them in the same
+order in one C function, so the output is bitwise the per-op path's (tested). Two models
+are taken:
 
-The per-layer pointer table is the fused decode step's (kernels.h's
-`DECODE_STEP_LAYER_SLOTS`), each matmul slot holding the weight packed by
-`linear_amx_pack` (`LinearWeight.tiles`).
+- bf16, every matmul on AMX tiles (`LinearWeight.tiles`, packed by `linear_amx_pack`) and
+  prefill chunks through the AMX prefill kernel;
+- float32 with `gguf_matmul="int8"`, every matmul Q4 int8 panels (`LinearWeight.
+  int8_panels`: activations quantized, integer dot products) and prefill chunks through
+  the float32 prefill kernel (AVX2 + FMA or AVX-512 builds): the default on CPUs without
+  native bf16.
+
+It is built by the model from its weights and KV caches when the backend offers it
+(`CpuPagedAttention.hybrid_step`); `run` returns None wherever it does not apply (too few
+rows for the tiles, a layout it does not take) and the model takes the per-op path. The
+per-layer pointer table is the fused decode step's (kernels.h's
+`DECODE_STEP_LAYER_SLOTS`).
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from .decode_step import (
     StepSizes,
     decode_step_layout,
     layer_slot_shapes,
+    slot_pointers,
     step_inputs_fit,
 )
+from .int8_dot import Int8Panels
 from .kv_int8 import INT8_SCALE_BYTES, is_int8_cache
 from .metadata import AttentionMetadata
 from .native import load_library
@@ -72,15 +80,30 @@ _ARGTYPES = [
 ]
 
 
-class HybridStep:
-    """A bf16 Llama model's hybrid iteration over fixed weights and KV caches, in one C call.
+def hybrid_step_kind(layers: Sequence[DecodeLayerWeights]) -> str | None:
+    """Which hybrid step takes these matmuls: "tiles" (all flat bf16 tile layouts), "int8"
+    (all Q4 int8 panels), None (a mix, or another form)."""
+    matmuls = [getattr(w, name) for w in layers for name in MATMULS]
+    if matmuls and all(isinstance(m, Int8Panels) and m.kind == "q4" for m in matmuls):
+        return "int8"
+    if matmuls and all(isinstance(m, torch.Tensor) and m.dim() == 1 for m in matmuls):
+        return "tiles"
+    return None
 
-    layers: each layer's norms and its matmuls as their AMX tile layouts (flat bf16
-    tensors of N * K elements, `LinearWeight.tiles`); kv_caches: per layer (k_cache,
-    v_cache), bf16 [num_blocks, block_size, Hkv, D] contiguous, or all int8 rows
-    [num_blocks, block_size, Hkv, D + 4] (`kv_int8`: each chunk's context is dequantized
-    to bf16 for the prefill kernel, as the per-op path does); final_norm: [hidden];
-    sizes: the model's `StepSizes`. Raises ValueError when the kernels are unavailable or a
+
+_KINDS = {"tiles": (torch.bfloat16, "hybrid_step_bf16"), "int8": (torch.float32, "hybrid_step_f32")}
+
+
+class HybridStep:
+    """A Llama model's hybrid iteration over fixed weights and KV caches, in one C call.
+
+    layers: each layer's norms and its matmuls, all as their AMX tile layouts (flat bf16
+    tensors of N * K elements, `LinearWeight.tiles`) or all as Q4 int8 panels of a float32
+    model (`hybrid_step_kind`); kv_caches: per layer (k_cache, v_cache) of the model's
+    dtype [num_blocks, block_size, Hkv, D] contiguous, or all int8 rows [num_blocks,
+    block_size, Hkv, D + 4] (`kv_int8`: each chunk's context is dequantized to the model's
+    dtype for the prefill kernel, as the per-op path does); final_norm: [hidden]; sizes:
+    the model's `StepSizes`. Raises ValueError when the kernels are unavailable or a
     tensor does not fit.
     """
 
@@ -96,27 +119,47 @@ class HybridStep:
             raise ValueError("hybrid step unavailable: the native CPU kernels did not build")
         if not layers or len(layers) != len(kv_caches):
             raise ValueError(f"{len(layers)} layers for {len(kv_caches)} KV caches")
-        tensors = [final_norm]
+        kind = hybrid_step_kind(layers)
+        if kind is None:
+            raise ValueError(
+                "hybrid step: the matmuls must be all AMX tile layouts or all Q4 int8 panels"
+            )
+        self.kind = kind
+        self.dtype, symbol = _KINDS[kind]
+        tensors = [final_norm]  # the model's dtype: norms and tile layouts
+        panel_tensors: list[torch.Tensor] = []  # int8 panels: uint8 values, float32 scales
         cache_tensors: list[torch.Tensor] = []
         for weights, caches in zip(layers, kv_caches, strict=True):
-            tensors.extend(weights)
+            for t in weights:
+                if isinstance(t, Int8Panels):
+                    panel_tensors.extend((t.qs, t.scales))
+                else:
+                    tensors.append(t)
             cache_tensors.extend(caches)
         self.kv_int8 = all(is_int8_cache(t) for t in cache_tensors)
-        cache_dtype = torch.int8 if self.kv_int8 else torch.bfloat16
-        for group, want in ((tensors, torch.bfloat16), (cache_tensors, cache_dtype)):
+        cache_dtype = torch.int8 if self.kv_int8 else self.dtype
+        groups = ((tensors, self.dtype), (cache_tensors, cache_dtype), (panel_tensors, None))
+        for group, want in groups:
             for t in group:
-                if not isinstance(t, torch.Tensor) or not (
-                    t.dtype == want and t.device.type == "cpu" and t.is_contiguous()
+                if not (
+                    isinstance(t, torch.Tensor)
+                    and (want is None or t.dtype == want)
+                    and t.device.type == "cpu"
+                    and t.is_contiguous()
                 ):
                     raise ValueError(
-                        "hybrid step: every weight and cache must be a contiguous bf16 CPU "
-                        "tensor (caches: bf16 or all int8)"
+                        f"hybrid step ({kind}): every weight and cache must be a contiguous "
+                        f"CPU tensor of {self.dtype} (caches: of {self.dtype} or all int8)"
                     )
+        tensors.extend(panel_tensors)
         tensors.extend(cache_tensors)
         self.hidden = hidden = final_norm.shape[0]
         num_heads, num_kv_heads, head_dim = sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.inter = inter = layers[0].down.numel() // hidden
+        down = layers[0].down
+        self.inter = inter = (
+            down.shape[1] if isinstance(down, Int8Panels) else down.numel() // hidden
+        )
         self.eps, self.scale = sizes.eps, sizes.scale
         k0 = kv_caches[0][0]
         self.num_blocks, self.block_size = k0.shape[0], k0.shape[1]
@@ -144,17 +187,19 @@ class HybridStep:
                 want = shapes[name]
                 if name in KV_SLOTS and self.kv_int8:  # a row's D values and its scale
                     want = (*want[:3], want[3] + INT8_SCALE_BYTES)
-                # a matmul's tile layout is flat: its [N, K] elements in the kernel's order
-                ok = (
-                    t.numel() == math.prod(want) and t.dim() == 1
-                    if name in MATMULS
-                    else tuple(t.shape) == want
-                )
+                if isinstance(t, Int8Panels):  # the panels know their [N, K]
+                    ok = t.shape == want
+                elif name in MATMULS:  # a tile layout is flat: [N, K] in the kernel's order
+                    ok = t.numel() == math.prod(want) and t.dim() == 1
+                else:
+                    ok = tuple(t.shape) == want
                 if not ok:
-                    raise ValueError(f"layer {i} {name}: shape {tuple(t.shape)}, expected {want}")
-                row[slot[name]] = t.data_ptr()
+                    got = t.shape if isinstance(t, Int8Panels) else tuple(t.shape)
+                    raise ValueError(f"layer {i} {name}: shape {got}, expected {want}")
+                for filled, address in slot_pointers(name, t).items():
+                    row[slot[filled]] = address
             ptrs.extend(row)
-        self._fn = lib.hybrid_step_bf16
+        self._fn = getattr(lib, symbol)
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = _I
         self._work_elems = lib.decode_step_work_elems
@@ -162,7 +207,7 @@ class HybridStep:
         self._work_elems.restype = _L
         self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self._num_layers = len(layers)
-        self._keep = tensors  # the table points into these
+        self._keep = (tensors, layers)  # the table points into these
         self._final_norm = final_norm.data_ptr()
         # reused buffers ("work", "scratch"), grown to the largest iteration seen: fresh
         # pages every iteration would cost more than the Python this step saves
@@ -171,11 +216,12 @@ class HybridStep:
     def _buffer(self, name: str, elems: int) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < elems:
-            buf = self._buffers[name] = torch.empty(elems, dtype=torch.bfloat16)
+            buf = self._buffers[name] = torch.empty(elems, dtype=self.dtype)
         return buf
 
     def _dequant_buffers(self, chunk_k: Sequence[int]) -> tuple[int, int]:
-        """Int8 caches: pointers to the bf16 room for the longest chunk's context blocks
+        """Int8 caches: pointers to the room (in the model's dtype) for the longest chunk's
+        context blocks
         (K's, then V's) and to the block ids 0, 1, ... that the prefill kernel reads them
         by; (0, 0) for bf16 caches or no chunk."""
         if not self.kv_int8 or not chunk_k:
@@ -203,10 +249,12 @@ class HybridStep:
         (nothing done) where the step does not apply.
         """
         t = x.shape[0]
-        if t <= GEMV_MAX_ROWS_TILES or not step_inputs_fit(
-            x, cos, sin_signed, meta, torch.bfloat16, self.hidden, self.head_dim
+        if (self.kind == "tiles" and t <= GEMV_MAX_ROWS_TILES) or not step_inputs_fit(
+            x, cos, sin_signed, meta, self.dtype, self.hidden, self.head_dim
         ):
-            return None  # one row: the per-op path's matmuls are not on the tiles there
+            # few rows: the per-op path's bf16 matmuls are not on the tiles there (its int8
+            # panels take any number of rows)
+            return None
         tables, lens, slots = meta.block_tables, meta.seq_lens_k, meta.slot_mapping
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         chunk_k = meta.k_lens[nd:]
@@ -220,7 +268,7 @@ class HybridStep:
         scratch = self._buffer("scratch", max(scratch_elems, 1))
         q_lens = (ctypes.c_int32 * num_seqs)(*meta.q_lens)
         dequant, identity = self._dequant_buffers(chunk_k)
-        out = torch.empty((t, self.hidden), dtype=torch.bfloat16)
+        out = torch.empty((t, self.hidden), dtype=self.dtype)
         rc = self._fn(
             self._table,
             self._num_layers,

@@ -158,11 +158,12 @@ def _quantized_model(
     backend: AttentionBackend,
     types: dict[str, str] = LAYER_TYPES,
     dtype: torch.dtype = torch.float32,
+    **config: object,
 ) -> tuple[LlamaForCausalLM, list[tuple[str, BlockQuantWeight]]]:
-    """The tiny random model of test_decode_step with every matmul weight replaced by its
-    dequantized GGUF blocks (in `dtype`, as the loader leaves them), and (for the caller
-    to attach) the blocks, named as in the checkpoint."""
-    model = _model(backend, dtype)
+    """The tiny random model of test_decode_step (`config` overriding its sizes) with every
+    matmul weight replaced by its dequantized GGUF blocks (in `dtype`, as the loader leaves
+    them), and (for the caller to attach) the blocks, named as in the checkpoint."""
+    model = _model(backend, dtype, **config)
     cfg = model.config
     q_n, kv_n = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter = cfg.intermediate_size

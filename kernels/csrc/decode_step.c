@@ -97,18 +97,11 @@ int decode_step_slot_shape(int slot, int hidden, int H, int Hkv, int D, int inte
     }
 }
 
-/* int8 panels of Q4 weights (float32 steps): x's rows quantized per 32-block into qwork (xq int8
- * [M, K], then xd and xs float32 [M, K/32]), then int8_panels.c's matmul: the per-op
- * path's int8_panels_linear, call for call */
-static void linear_i8p_f32(const float *x, long xs, const void *w, const void *sc, float *y,
-                           long ys, int M, int N, int K, void *qwork) {
-    int8_t *xq = (int8_t *)qwork;
-    float *xd = (float *)(xq + (((long)M * K + 63) & ~63L)), *xsum = xd + (long)M * (K / 32);
-    int8_quantize_rows(x, xs, M, K, xq, xd, xsum, 0);
-    int8_panels_matmul(xq, xd, xsum, M, K, (const uint8_t *)w, (const float *)sc, y, ys, N, 4,
-                       0);
-}
-#define LINEAR_I8P_f32 linear_i8p_f32
+/* int8 panels of Q4 weights (float32 steps): the per-op path's int8_panels_linear, call for
+ * call (int8_panels.c) */
+#define LINEAR_I8P_f32(x, xs, w, sc, y, ys, M, N, K, qwork)                                     \
+    int8_panels_linear_q4_f32(x, xs, (const uint8_t *)(w), (const float *)(sc), y, ys, M, N, K, \
+                              qwork)
 #define LINEAR_I8P_bf16(x, xs, w, sc, y, ys, M, N, K, qwork) (void)(qwork) /* refused up front */
 
 /* y = x w^T for one of the layer's matmuls, in its storage format (block_quant.c's

@@ -90,6 +90,11 @@ int int8_panels_vector_bits(void);
 int int8_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M, int K,
                        const uint8_t *wq, const float *scales, float *y, long y_stride, int N,
                        int weight_bits, int portable);
+/* float32 rows through Q4 panels: quantized into qwork (M * K bytes rounded up to 64, then
+ * 2 * M * K / 32 floats), then int8_panels_matmul */
+void int8_panels_linear_q4_f32(const float *x, long x_stride, const uint8_t *wq,
+                               const float *scales, float *y, long y_stride, int M, int N, int K,
+                               void *qwork);
 
 /* decode_attention_avx2.c: one float32 decode work item on AVX2 builds; 1 done, 0 not
  * taken (another build, head size or item size) */
@@ -238,6 +243,17 @@ int hybrid_step_bf16(const void *const *layers, int num_layers, const uint16_t *
                      int inter, int block_size, long num_blocks, float eps, float scale,
                      uint16_t *scratch, int kv_int8, uint16_t *kv_dequant,
                      const int32_t *identity);
+/* The same for a float32 model whose matmuls are all Q4 int8 panels (the slots hold each
+ * panel's qs and scales, decode_step.c's W_I8P), chunks through prefill_attention_f32
+ * (AVX2 + FMA or AVX-512 builds, else -1); kv_int8 with the AVX-512 or AVX2 int8 decode
+ * item; scratch, kv_dequant float32 */
+int hybrid_step_f32(const void *const *layers, int num_layers, const float *final_norm,
+                    const float *x_in, float *out, float *work, const float *cos,
+                    const float *sin_signed, const int64_t *slots, const int32_t *tables,
+                    long table_stride, const int32_t *q_lens, const int32_t *k_lens,
+                    int num_seqs, int num_decodes, int T, int hidden, int H, int Hkv, int D,
+                    int inter, int block_size, long num_blocks, float eps, float scale,
+                    float *scratch, int kv_int8, float *kv_dequant, const int32_t *identity);
 
 /* kv_int8.c */
 int write_kv_cache_int8(const char *k, long k_stride, const char *v, long v_stride,

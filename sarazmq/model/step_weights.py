@@ -57,10 +57,18 @@ def decode_step_weights(layers: Iterable[Any]) -> list[DecodeLayerWeights] | Non
     return _layer_weights(layers, _decode_matmul)
 
 
+def _hybrid_matmul(w: LinearWeight) -> Matmul | None:
+    if w.tiles is not None:
+        return w.tiles
+    panels = w.int8_panels
+    return panels if panels is not None and panels.kind == "q4" else None
+
+
 def hybrid_step_weights(layers: Iterable[Any]) -> list[DecodeLayerWeights] | None:
-    """The hybrid step's view: each matmul's AMX tile layout; None where one has none, or
-    has a bias."""
-    return _layer_weights(layers, lambda w: w.tiles)
+    """The hybrid step's view: each matmul's AMX tile layout, else its Q4 int8 panels (a
+    float32 model computing them by int8 dot products); None where one has neither, or has
+    a bias. (`HybridStep` takes all of one form.)"""
+    return _layer_weights(layers, _hybrid_matmul)
 
 
 class OneCallSteps:
