@@ -120,3 +120,28 @@ def test_a_block_outside_the_cache_is_an_error_that_writes_nothing() -> None:
         step.run(x, cos, cos, meta)
     for (k, v), (k0, v0) in zip(caches, before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_unaligned_scratch_is_declined_before_anything_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the float32 prefill kernel refuses scratch off a 64-byte boundary (nothing written):
+    # the step must refuse it up front, not return a chunk it never attended
+    model = _int8_model(CpuPagedAttention())
+    caches = _caches(model)
+    step = model.hybrid_step(caches)
+    assert step is not None
+    real_buffer = HybridStep._buffer
+
+    def shifted(self: HybridStep, name: str, elems: int) -> torch.Tensor:
+        buf = real_buffer(self, name, elems + 1)
+        return buf[1:] if name == "scratch" else buf
+
+    monkeypatch.setattr(HybridStep, "_buffer", shifted)
+    meta = AttentionMetadata.build([3], [3], [[0]], BLOCK)
+    x = torch.randn(3, 128)
+    cos = torch.ones(3, 1, 64)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    assert step.run(x, cos, cos, meta) is None
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -22,7 +22,7 @@
  * T in all. tables [num_seqs, table_stride] int32; k_lens [num_seqs] int32 (keys after this
  * step); slots [T] int64; cos, sin_signed [T, D]; x_in, out [T, hidden]; work
  * decode_step_work_elems(T, ...) elements; scratch prefill_scratch elements for the
- * longest chunk (2 * Hkv * ceil(k_len / 64) * 64 * D). kv_int8 = 1: the caches hold
+ * longest chunk (2 * Hkv * ceil(k_len / 64) * 64 * D), 64-byte aligned. kv_int8 = 1: the caches hold
  * kv_int8.c's int8 rows ([num_blocks, block_size, Hkv, D + 4]), kv_dequant 2 * ceil(k_len /
  * block_size) * block_size * Hkv * D elements for the longest chunk and identity the block
  * ids 0, 1, ... as many (attend_int8_<dtype>). Returns 0; -1 where a size or this machine
@@ -214,6 +214,8 @@ int hybrid_step_f32(const void *const *layers, int num_layers, const float *fina
     /* everything checked before anything is written: the panels take K a multiple of 32 */
     if (!prefill_f32_supported() || int8_panels_vector_bits() == 0) return -1;
     if (hidden % 32 != 0 || q_n % 32 != 0 || inter % 32 != 0) return -1;
+    /* the float32 prefill kernel refuses (writes nothing) unaligned scratch */
+    if (num_seqs > num_decodes && ((uintptr_t)scratch & 63) != 0) return -1;
     const int rc = hybrid_check(slots, tables, table_stride, q_lens, k_lens, num_layers,
                                 num_seqs, num_decodes, T, H, Hkv, D, block_size, num_blocks,
                                 kv_int8, KV_INT8_HYBRID_f32);

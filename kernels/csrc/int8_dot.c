@@ -333,11 +333,10 @@ static __attribute__((noinline)) int probe_int8(long iters, int seed) {
 }
 #else
 #define PROBE_INT8_CHAINS 8
-/* 8 VPMADDUBSW a round, each of a different (weight, activation) pair and added into its
- * own int16 accumulator: the products do not depend on the sums (only the 1-cycle VPADDW
- * chains do), and the activations are opaque every round. With one pair for every chain
- * (as before 2026-12-08) the compiler computed the product once a round and the probe
- * timed VPADDW and spills, not VPMADDUBSW. */
+/* 8 VPMADDUBSW a round of distinct (weight, activation) pairs, each added into its own
+ * int16 sum (only the 1-cycle VPADDW chains depend on the sums); the activations opaque
+ * every round. One pair for all chains (before 2026-12-07) let the compiler compute the
+ * product once a round: the probe timed VPADDW and spills (tests/test_int8_probe_codegen.py). */
 static __attribute__((noinline)) int probe_int8(long iters, int seed) {
     const __m256i w0 = _mm256_set1_epi8(7), w1 = _mm256_set1_epi8(5);
     __m256i x0 = _mm256_set1_epi8((char)seed), x1 = _mm256_set1_epi8((char)(seed + 1)),
@@ -357,8 +356,7 @@ static __attribute__((noinline)) int probe_int8(long iters, int seed) {
         a5 = _mm256_add_epi16(a5, _mm256_maddubs_epi16(w1, x2));
         a6 = _mm256_add_epi16(a6, _mm256_maddubs_epi16(w0, x3));
         a7 = _mm256_add_epi16(a7, _mm256_maddubs_epi16(w1, x3));
-        /* the sums stay in registers (left free, GCC kept some on the stack: a store and
-         * reload in every chain) */
+        /* the sums stay in registers (left free, GCC kept some on the stack) */
         __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),
                 "+x"(a7));
     }

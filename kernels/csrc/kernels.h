@@ -246,7 +246,7 @@ int hybrid_step_bf16(const void *const *layers, int num_layers, const uint16_t *
 /* The same for a float32 model whose matmuls are all Q4 int8 panels (the slots hold each
  * panel's qs and scales, decode_step.c's W_I8P), chunks through prefill_attention_f32
  * (AVX2 + FMA or AVX-512 builds, else -1); kv_int8 with the AVX-512 or AVX2 int8 decode
- * item; scratch, kv_dequant float32 */
+ * item; scratch (64-byte aligned, else -1), kv_dequant float32 */
 int hybrid_step_f32(const void *const *layers, int num_layers, const float *final_norm,
                     const float *x_in, float *out, float *work, const float *cos,
                     const float *sin_signed, const int64_t *slots, const int32_t *tables,
