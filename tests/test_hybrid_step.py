@@ -101,6 +101,28 @@ def _caches(kv_cache_dtype: str = "auto") -> list:
     )
 
 
+def count_hybrid_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every `HybridStep.run` from now on (-1 where it declined)."""
+    rows: list[int] = []
+    real_run = HybridStep.run
+
+    def counting_run(self: HybridStep, x: torch.Tensor, *args: object) -> torch.Tensor | None:
+        out = real_run(self, x, *args)  # type: ignore[arg-type]
+        rows.append(x.shape[0] if out is not None else -1)
+        return out
+
+    monkeypatch.setattr(HybridStep, "run", counting_run)
+    return rows
+
+
+def assert_bitwise_equal(outs_a: list, outs_b: list, caches_a: list, caches_b: list) -> None:
+    """The same hidden states, and the same bytes in every KV cache."""
+    for a, b in zip(outs_a, outs_b, strict=True):
+        assert torch.equal(a, b)
+    for (ka, va), (kb, vb) in zip(caches_a, caches_b, strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("backend", [CpuPagedAttention, NoFusedDecode])
 def test_hybrid_iterations_are_bitwise_the_per_op_path(
@@ -111,23 +133,12 @@ def test_hybrid_iterations_are_bitwise_the_per_op_path(
     one_call = _model(backend())
     per_op = _model(PerOpCpuAttention())
     caches_a, caches_b = _caches(kv_cache_dtype), _caches(kv_cache_dtype)
-    rows: list[int] = []
-    real_run = HybridStep.run
-
-    def counting_run(self: HybridStep, x: torch.Tensor, *args: object) -> torch.Tensor | None:
-        out = real_run(self, x, *args)  # type: ignore[arg-type]
-        rows.append(x.shape[0] if out is not None else -1)
-        return out
-
-    monkeypatch.setattr(HybridStep, "run", counting_run)
+    rows = count_hybrid_rows(monkeypatch)
     outs_a = _run(one_call, caches_a)
     assert rows and -1 not in rows  # every multi-row batch took the one-call step
     assert per_op.hybrid_step(caches_b) is None
     outs_b = _run(per_op, caches_b)
-    for a, b in zip(outs_a, outs_b, strict=True):
-        assert torch.equal(a, b)
-    for (ka, va), (kb, vb) in zip(caches_a, caches_b, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert_bitwise_equal(outs_a, outs_b, caches_a, caches_b)
     # decode-only batches of a few rows are the fused decode step's where the backend has it
     expected = [57, 39, 64, 4] if backend is NoFusedDecode else [57, 39, 64]
     assert rows == expected

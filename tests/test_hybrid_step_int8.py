@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from test_block_quant import ALL_Q4, LAYER_TYPES, _quantized_model
-from test_hybrid_step import NUM_BLOCKS, NoFusedDecode, PerOpCpuAttention, _run
+from test_hybrid_step import (
+    NUM_BLOCKS,
+    NoFusedDecode,
+    PerOpCpuAttention,
+    _run,
+    assert_bitwise_equal,
+    count_hybrid_rows,
+)
 
 from sarazmq.kernels import CpuPagedAttention
 from sarazmq.kernels.cpu_attention_kernels import cpu_attention_available, prefill_f32_available
@@ -60,22 +67,11 @@ def test_int8_hybrid_iterations_are_bitwise_the_per_op_int8_path(
     caches_a, caches_b = _caches(one_call, kv_cache_dtype), _caches(per_op, kv_cache_dtype)
     step = one_call.hybrid_step(caches_a)
     assert step is not None and step.kind == "int8" and step.kv_int8 == (kv_cache_dtype == "int8")
-    rows: list[int] = []
-    real_run = HybridStep.run
-
-    def counting_run(self: HybridStep, x: torch.Tensor, *args: object) -> torch.Tensor | None:
-        out = real_run(self, x, *args)  # type: ignore[arg-type]
-        rows.append(x.shape[0] if out is not None else -1)
-        return out
-
-    monkeypatch.setattr(HybridStep, "run", counting_run)
+    rows = count_hybrid_rows(monkeypatch)
     outs_a = _run(one_call, caches_a)
     assert per_op.hybrid_step(caches_b) is None
     outs_b = _run(per_op, caches_b)
-    for a, b in zip(outs_a, outs_b, strict=True):
-        assert torch.equal(a, b)
-    for (ka, va), (kb, vb) in zip(caches_a, caches_b, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert_bitwise_equal(outs_a, outs_b, caches_a, caches_b)
     # every multi-row batch took the one-call step; decode-only batches of a few rows are
     # the fused decode step's where the backend has it
     assert rows == ([57, 39, 64, 4] if backend is NoFusedDecode else [57, 39, 64])
