@@ -6,7 +6,8 @@ its kernel rebuilds the float32 weights in registers: bitwise the float path, an
 float32 FMA throughput once there are many rows (prefill). This module trades that
 exactness for integer dot products, llama.cpp's way:
 
-- activations x float32 [M, K] are quantized per 32-block (`quantize_activations`):
+- activations x float32 [M, K] are quantized per 32-block (`quantize_activations`;
+  C: kernels/csrc/act_quant.c):
   d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) in -127..127 (all zeros where
   the block is), s = d * sum(q) (float32, llama.cpp's Q8_1 sum term);
 - with the weights' blocks stored as weight = dw * qw + mw (Q4, qw unsigned 0..15; Q4_0 has

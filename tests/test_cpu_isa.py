@@ -113,6 +113,7 @@ def test_avx2_kernels_under_the_cap_match_their_references() -> None:
     del env[CPU_ISA_ENV]
     files = [
         "test_int8_dot.py",
+        "test_act_quant.py",  # the fused producers on the one-block AVX2 quantizer
         "test_int8_panels.py",
         "test_int8_decode_step.py",
         "test_prefill_f32.py",

@@ -57,22 +57,24 @@ def _assert_close_to_reference(
 
 
 @pytest.mark.parametrize("portable", PORTABLE)
-def test_quantizer_is_its_reference(portable: bool) -> None:
-    x = _x(13, 160, 0)
+@pytest.mark.parametrize("k", [160, 672, 1024])  # AVX-512 builds: 16 blocks at a time, + rest
+def test_quantizer_is_its_reference(portable: bool, k: int) -> None:
+    x = _x(13, k, 0)
     x[1] = 0.0  # all-zero blocks: d = 0, q = 0
     x[2, :32] = 1e30  # huge magnitudes
     x[3, 32:64] = -1e-30  # tiny ones
-    x[4, :] = torch.arange(160) - 80.0  # ties at .5 after scaling somewhere
+    x[4, :] = torch.arange(k) - k / 2  # ties at .5 after scaling somewhere
     x[5, 64:96] = 127.0 * 0.5  # q = 127 exactly
+    x[6, k - 32 :] = 0.0  # a zero block among nonzero ones (the vector division's mask)
     q, d, s = quantize_activations(x, portable=portable)
     qr, dr, sr = quantize_activations_reference(x)
-    assert q.dtype == torch.int8 and q.shape == (13, 160) and d.shape == s.shape == (13, 5)
+    assert q.dtype == torch.int8 and q.shape == (13, k) and d.shape == s.shape == (13, k // 32)
     assert torch.equal(q, qr) and torch.equal(d, dr) and torch.equal(s, sr)
     assert int(q.abs().max()) <= 127 and not bool(q[1].any()) and not bool(d[1].any())
     # a strided (non-contiguous rows) input gives the same
-    wide = torch.zeros(13, 200)
-    wide[:, :160] = x
-    q2, d2, s2 = quantize_activations(wide[:, :160], portable=portable)
+    wide = torch.zeros(13, k + 40)
+    wide[:, :k] = x
+    q2, d2, s2 = quantize_activations(wide[:, :k], portable=portable)
     assert torch.equal(q2, q) and torch.equal(d2, d) and torch.equal(s2, s)
 
 

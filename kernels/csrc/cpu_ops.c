@@ -15,27 +15,32 @@
 
 #define PAR_ROWS(rows) _Pragma("omp parallel for schedule(static) if (rows >= 32)")
 
+/* One row of rms_norm_f32: ri (optional) += xi, then oi = RMSNorm(ri or xi) * weight.
+ * Not inlined: rms_norm_quantize_f32 (act_quant.c) runs this very code, so its rows are
+ * bitwise rms_norm_f32's. */
+__attribute__((noinline)) void rms_norm_row_f32(const float *xi, float *ri, const float *weight,
+                                               float *oi, int hidden, float eps) {
+    const float *src = xi;
+    if (ri) {
+        for (int j = 0; j < hidden; j++) ri[j] = ri[j] + xi[j];
+        src = ri;
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int j = 0; j < hidden; j++) ss += src[j] * src[j];
+    const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+    for (int j = 0; j < hidden; j++) oi[j] = (src[j] * inv) * weight[j];
+}
+
 /* residual (optional) += x, then out = RMSNorm(residual or x) * weight.
  * x, residual, out: [rows, hidden] with row strides; weight [hidden]. */
 void rms_norm_f32(const float *x, long x_stride, float *residual, long r_stride,
                   const float *weight, float *out, long o_stride, long rows, int hidden,
                   float eps) {
     PAR_ROWS(rows)
-    for (long i = 0; i < rows; i++) {
-        const float *xi = x + i * x_stride;
-        const float *src = xi;
-        if (residual) {
-            float *ri = residual + i * r_stride;
-            for (int j = 0; j < hidden; j++) ri[j] = ri[j] + xi[j];
-            src = ri;
-        }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int j = 0; j < hidden; j++) ss += src[j] * src[j];
-        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-        float *oi = out + i * o_stride;
-        for (int j = 0; j < hidden; j++) oi[j] = (src[j] * inv) * weight[j];
-    }
+    for (long i = 0; i < rows; i++)
+        rms_norm_row_f32(x + i * x_stride, residual ? residual + i * r_stride : NULL, weight,
+                         out + i * o_stride, hidden, eps);
 }
 
 #if defined(__AVX512F__)
@@ -156,24 +161,28 @@ void rope_bf16(uint16_t *x, long x_stride, const uint16_t *cos, const uint16_t *
  * bf16 tensor (after silu, after the product). exp_approx is within ~2 ulp of torch's, so
  * results can differ from torch's in the last bit. */
 
+/* One row of silu_mul_f32 (g: the row's gate, then its up); not inlined, as
+ * rms_norm_row_f32, for silu_mul_quantize_f32 */
+__attribute__((noinline)) void silu_mul_row_f32(const float *g, float *o, int inter) {
+    const float *u = g + inter;
+    int j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= inter; j += 16)
+        _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)),
+                                              _mm512_loadu_ps(u + j)));
+#elif defined(AVX2_ONLY)
+    for (; j + 8 <= inter; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j)),
+                                              _mm256_loadu_ps(u + j)));
+#endif
+    for (; j < inter; j++) o[j] = (g[j] / (1.0f + exp_approx(-g[j]))) * u[j];
+}
+
 void silu_mul_f32(const float *gate_up, long gu_stride, float *out, long o_stride, long rows,
                   int inter) {
     PAR_ROWS(rows)
-    for (long i = 0; i < rows; i++) {
-        const float *g = gate_up + i * gu_stride, *u = g + inter;
-        float *o = out + i * o_stride;
-        int j = 0;
-#if defined(__AVX512F__)
-        for (; j + 16 <= inter; j += 16)
-            _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + j)),
-                                                  _mm512_loadu_ps(u + j)));
-#elif defined(AVX2_ONLY)
-        for (; j + 8 <= inter; j += 8)
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j)),
-                                                  _mm256_loadu_ps(u + j)));
-#endif
-        for (; j < inter; j++) o[j] = (g[j] / (1.0f + exp_approx(-g[j]))) * u[j];
-    }
+    for (long i = 0; i < rows; i++)
+        silu_mul_row_f32(gate_up + i * gu_stride, out + i * o_stride, inter);
 }
 
 void silu_mul_bf16(const uint16_t *gate_up, long gu_stride, uint16_t *out, long o_stride,

@@ -9,7 +9,8 @@
  *     kernel; SwiGLU in the gate/up matmul's tile pass;
  *   hybrid_step_f32: float32, every matmul Q4 int8 panels (gguf_matmul="int8": each slot
  *     holds the panels' qs, its _scales slot their scales), chunks through
- *     prefill_attention_f32; SwiGLU a pass of its own, as per op.
+ *     prefill_attention_f32; the two RMSNorms and SwiGLU write their matmul's quantized
+ *     input directly (act_quant.c: the same bits as the per-op norm, then quantization).
  *
  * Per layer (pointers in layers[l * L_PTRS + L_<slot>]):
  *   h = RMSNorm(residual += x) ; qkv = h W_qkv^T ; RoPE(q, k) ; write k, v to the cache ;
@@ -202,7 +203,8 @@ int hybrid_step_bf16(const void *const *layers, int num_layers, const uint16_t *
 
 /* The float32 hybrid step: every matmul Q4 int8 panels (the slots hold each panel's qs and
  * scales), as NativeCpuOps runs them with gguf_matmul="int8": x quantized, the panels'
- * matmul; SwiGLU as its own pass after the gate/up matmul (silu_mul_f32), as there. */
+ * matmul. Where the per-op path runs a norm or SwiGLU and then quantizes its output for
+ * the next matmul, this step runs the fused producer (act_quant.c), bitwise the same. */
 int hybrid_step_f32(const void *const *layers, int num_layers, const float *final_norm,
                     const float *x_in, float *out, float *work, const float *cos,
                     const float *sin_signed, const int64_t *slots, const int32_t *tables,
@@ -225,13 +227,19 @@ int hybrid_step_f32(const void *const *layers, int num_layers, const float *fina
     float *qkv = x + (long)T * hidden, *attn = qkv + (long)T * qkv_n;
     float *gu = attn + (long)T * q_n, *act = gu + 2L * T * inter;
     void *qwork = (void *)(((uintptr_t)(act + (long)T * inter) + 63) & ~(uintptr_t)63);
+    /* the quantized inputs of the matmuls after the norms (K = hidden) and after SwiGLU
+     * (K = inter), in qwork as int8_panels_linear_q4_f32 lays it out */
+    int8_t *hq, *aq;
+    float *hd, *hs, *ad, *as;
+    int8_qwork_parts(qwork, T, hidden, &hq, &hd, &hs);
+    int8_qwork_parts(qwork, T, inter, &aq, &ad, &as);
 #define PANELS(slot) (const uint8_t *)p[L_##slot], (const float *)p[L_##slot##_scales]
     memcpy(res, x_in, (size_t)T * hidden * sizeof(float));
     for (int l = 0; l < num_layers; l++) {
         const void *const *p = layers + (long)l * L_PTRS;
-        rms_norm_f32(l ? x : res, hidden, l ? res : NULL, hidden, p[L_input_norm], h, hidden, T,
-                     hidden, eps);
-        int8_panels_linear_q4_f32(h, hidden, PANELS(qkv), qkv, qkv_n, T, qkv_n, hidden, qwork);
+        rms_norm_quantize_f32(l ? x : res, hidden, l ? res : NULL, hidden, p[L_input_norm], T,
+                              hidden, eps, hq, hd, hs);
+        int8_panels_matmul(hq, hd, hs, T, hidden, PANELS(qkv), qkv, qkv_n, qkv_n, 4, 0);
         rope_f32(qkv, qkv_n, cos, sin_signed, T, H + Hkv, D);
         if (kv_int8)
             attend_int8_f32(p, qkv, attn, slots, tables, table_stride, q_lens, k_lens, num_seqs,
@@ -241,11 +249,12 @@ int hybrid_step_f32(const void *const *layers, int num_layers, const float *fina
             attend_f32(p, qkv, attn, slots, tables, table_stride, q_lens, k_lens, num_seqs,
                        num_decodes, T, H, Hkv, D, block_size, num_blocks, scale, scratch);
         int8_panels_linear_q4_f32(attn, q_n, PANELS(o), x, hidden, T, hidden, q_n, qwork);
-        rms_norm_f32(x, hidden, res, hidden, p[L_post_norm], h, hidden, T, hidden, eps);
-        int8_panels_linear_q4_f32(h, hidden, PANELS(gate_up), gu, 2 * inter, T, 2 * inter,
-                                  hidden, qwork);
-        silu_mul_f32(gu, 2 * inter, act, inter, T, inter);
-        int8_panels_linear_q4_f32(act, inter, PANELS(down), x, hidden, T, hidden, inter, qwork);
+        rms_norm_quantize_f32(x, hidden, res, hidden, p[L_post_norm], T, hidden, eps, hq, hd,
+                              hs);
+        int8_panels_matmul(hq, hd, hs, T, hidden, PANELS(gate_up), gu, 2 * inter, 2 * inter, 4,
+                           0);
+        silu_mul_quantize_f32(gu, 2 * inter, T, inter, aq, ad, as);
+        int8_panels_matmul(aq, ad, as, T, inter, PANELS(down), x, hidden, hidden, 4, 0);
     }
 #undef PANELS
     rms_norm_f32(x, hidden, res, hidden, final_norm, out, hidden, T, hidden, eps);

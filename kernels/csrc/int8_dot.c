@@ -36,23 +36,6 @@
 
 /* ------------------------------------------------------------------ portable C */
 
-static void quantize_block_c(const float *x, int8_t *q, float *d, float *s) {
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) {
-        const float a = fabsf(x[i]);
-        amax = a > amax ? a : amax;
-    }
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int i = 0; i < 32; i++) {
-        const int v = (int)nearbyintf(x[i] * id);
-        q[i] = (int8_t)v;
-        sum += v;
-    }
-    *d = amax / 127.0f;
-    *s = *d * (float)sum;
-}
-
 static void matmul_c(int kind, const int8_t *xq, const float *xd, const float *xs, int M,
                      int K, const void *qs, const float *sc, float *y, long y_stride, int N) {
     const int KB = K / 32;
@@ -91,37 +74,6 @@ static inline float hsum8(__m256 v) {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
     return _mm_cvtss_f32(x);
-}
-
-static inline void quantize_block_avx2(const float *x, int8_t *q, float *d, float *s) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4];
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_loadu_ps(x + 8 * i);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    const float amax = _mm_cvtss_f32(h);
-    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i i32[4];
-    for (int i = 0; i < 4; i++) /* MXCSR default: round half to even */
-        i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
-    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
-                                   _mm256_add_epi32(i32[2], i32[3]));
-    /* packs interleave 128-bit lanes: 0 1 4 5 2 3 6 7 (4-byte groups), undone by a permute */
-    const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
-    const __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
-    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-    _mm256_storeu_si256((__m256i *)q,
-                        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    *d = amax / 127.0f;
-    *s = *d * (float)_mm_cvtsi128_si32(s4);
 }
 
 /* a Q4 block's 16 bytes as 32 unsigned bytes 0..15 (weights 0-15 low lane, 16-31 high) */
@@ -239,29 +191,6 @@ int int8_dot_vnni_built(void) {
 #else
     return 0;
 #endif
-}
-
-int int8_quantize_rows(const float *x, long x_stride, int M, int K, int8_t *xq, float *xd,
-                       float *xs, int portable) {
-    if (M < 0 || K <= 0 || K % 32 != 0) return -1;
-    const int KB = K / 32;
-#pragma omp parallel for schedule(static) if ((long)M * K >= 65536)
-    for (long m = 0; m < M; m++) {
-        for (int b = 0; b < KB; b++) {
-            const float *src = x + m * x_stride + 32L * b;
-            int8_t *q = xq + m * K + 32L * b;
-            float *d = xd + m * KB + b, *s = xs + m * KB + b;
-#if defined(INT8_DOT_AVX2)
-            if (!portable) {
-                quantize_block_avx2(src, q, d, s);
-                continue;
-            }
-#endif
-            quantize_block_c(src, q, d, s);
-        }
-    }
-    (void)portable;
-    return 0;
 }
 
 int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *xs, int M,

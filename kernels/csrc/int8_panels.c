@@ -288,6 +288,12 @@ int int8_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M
     return 0;
 }
 
+void int8_qwork_parts(void *qwork, int M, int K, int8_t **xq, float **xd, float **xs) {
+    *xq = (int8_t *)qwork;
+    *xd = (float *)(*xq + (((long)M * K + 63) & ~63L));
+    *xs = *xd + (long)M * (K / 32);
+}
+
 /* y = x W^T for float32 rows x [M, K] (row stride x_stride) on Q4 panels: x quantized per
  * 32-block into qwork (xq int8 [M, K], padded to 64 bytes, then xd and xs float32 [M,
  * K/32]), then the panels' matmul: the per-op path's int8_panels_linear, call for call
@@ -295,8 +301,9 @@ int int8_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M
 void int8_panels_linear_q4_f32(const float *x, long x_stride, const uint8_t *wq,
                                const float *scales, float *y, long y_stride, int M, int N, int K,
                                void *qwork) {
-    int8_t *xq = (int8_t *)qwork;
-    float *xd = (float *)(xq + (((long)M * K + 63) & ~63L)), *xsum = xd + (long)M * (K / 32);
+    int8_t *xq;
+    float *xd, *xsum;
+    int8_qwork_parts(qwork, M, K, &xq, &xd, &xsum);
     int8_quantize_rows(x, x_stride, M, K, xq, xd, xsum, 0);
     int8_panels_matmul(xq, xd, xsum, M, K, wq, scales, y, y_stride, N, 4, 0);
 }

@@ -29,6 +29,10 @@ void silu_mul_f32(const float *gate_up, long gu_stride, float *out, long o_strid
                   int inter);
 void silu_mul_bf16(const uint16_t *gate_up, long gu_stride, uint16_t *out, long o_stride,
                    long rows, int inter);
+/* one row of rms_norm_f32 (ri may be NULL) and of silu_mul_f32 (g: gate then up) */
+void rms_norm_row_f32(const float *xi, float *ri, const float *weight, float *oi, int hidden,
+                      float eps);
+void silu_mul_row_f32(const float *g, float *o, int inter);
 /* whether gemv_* takes these sizes (1 if so); on AVX2 builds without AVX-512 the float32
  * ones (and block_quant.c's float32 ones below) come from gemv_avx2.c */
 int gemv_f32_covers(int M, int N, int K);
@@ -51,17 +55,27 @@ int gemv_q4_bf16(const uint16_t *x, long x_stride, const void *qs, const float *
 int gemv_q8_bf16(const uint16_t *x, long x_stride, const void *qs, const float *scales,
                  uint16_t *y, long y_stride, int M, int N, int K);
 
+/* act_quant.c: int8_quantize_rows: x float32 [M, K] (row stride x_stride, K % 32 == 0) ->
+ * xq int8 [M, K], xd (scale) and xs (scale * sum of the block's q) float32 [M, K/32];
+ * portable = 1: the plain C loop (the same bits). The fused producers: bitwise
+ * rms_norm_f32 / silu_mul_f32 then int8_quantize_rows, without the float rows in memory
+ * (hidden, inter multiples of 32). */
+int int8_quantize_rows(const float *x, long x_stride, int M, int K, int8_t *xq, float *xd,
+                       float *xs, int portable);
+void rms_norm_quantize_f32(const float *x, long x_stride, float *residual, long r_stride,
+                           const float *weight, long rows, int hidden, float eps, int8_t *xq,
+                           float *xd, float *xs);
+void silu_mul_quantize_f32(const float *gate_up, long gu_stride, long rows, int inter,
+                           int8_t *xq, float *xd, float *xs);
+
 /* int8_dot.c: llama.cpp-style integer-dot matmuls on block_quant.c's weight layouts (see
- * the file). int8_quantize_rows: x float32 [M, K] (row stride x_stride) -> xq int8 [M, K],
- * xd (scale) and xs (scale * sum of the block's q) float32 [M, K/32]. int8_block_matmul:
+ * the file); their inputs come from act_quant.c. int8_block_matmul:
  * y [M, N] (row stride y_stride) = xq . W^T, kind 4 (Q4 layout) or 8 (Q8 layout).
  * portable = 1: the plain C loops (int8_dot_avx2_built says whether the other exists;
  * int8_dot_vnni_built whether the panels and the probe use VPDPBUSD, INT8_DPBUSD). */
 int int8_dot_avx2_built(void);
 int int8_dot_vnni_built(void);
 long int8_peak_probe(long iters, int int8);
-int int8_quantize_rows(const float *x, long x_stride, int M, int K, int8_t *xq, float *xd,
-                       float *xs, int portable);
 int int8_block_matmul(int kind, const int8_t *xq, const float *xd, const float *xs, int M,
                       int K, const void *qs, const float *scales, float *y, long y_stride,
                       int N, int portable);
@@ -95,6 +109,8 @@ int int8_panels_matmul(const int8_t *xq, const float *xd, const float *xs, int M
 void int8_panels_linear_q4_f32(const float *x, long x_stride, const uint8_t *wq,
                                const float *scales, float *y, long y_stride, int M, int N, int K,
                                void *qwork);
+/* that qwork's parts for M rows of K: xq, then xd and xs */
+void int8_qwork_parts(void *qwork, int M, int K, int8_t **xq, float **xd, float **xs);
 
 /* decode_attention_avx2.c: one float32 decode work item on AVX2 builds; 1 done, 0 not
  * taken (another build, head size or item size) */
