@@ -32,6 +32,7 @@ from .cpu_attention_kernels import (
     prefill_amx_available,
     prefill_attention,
     prefill_f32_available,
+    prefill_int8_available,
     prefill_scratch_elems,
     write_kv_cache_native,
 )
@@ -161,19 +162,16 @@ class CpuPagedAttention(TorchPagedAttention):
             return False
         bs = k_cache.shape[1]
         table = meta.block_tables[i, : -(-k_len // bs)]
-        if is_int8_cache(k_cache):
-            # the sequence's blocks dequantized, in order: the kernel reads them as a
-            # cache of their own (blocks 0 .. n-1)
+        if is_int8_cache(k_cache) and not (q.dtype == torch.float32 and prefill_int8_available()):
+            # (float32 queries on AVX512-VNNI read the int8 cache in place.) The
+            # sequence's blocks dequantized, in order: the kernel reads them as a cache of
+            # their own (blocks 0 .. n-1)
             k_cache = self._dequantized("k", k_cache, table, q.dtype)
             v_cache = self._dequantized("v", v_cache, table, q.dtype)
             table = torch.arange(table.numel(), dtype=torch.int32)
-        # scratch rows are cache-block rows; enough of them for the packed K/V
-        row = k_cache[0].numel()
-        scratch = self._scratch_rows(
-            "packed",
-            k_cache,
-            -(-prefill_scratch_elems(k_len, k_cache.shape[2], k_cache.shape[3]) // row),
-        ).view(-1)
+        # scratch in q's dtype (rows of q's token size), enough for the packed K/V
+        need, row = prefill_scratch_elems(k_len, k_cache.shape[2], q.shape[2]), q[0].numel()
+        scratch = self._scratch_rows("packed", q, -(-need // row)).view(-1)
         return prefill_attention(q, k_cache, v_cache, table, k_len, scale, out, scratch)
 
     def _dequantized(

@@ -97,6 +97,10 @@ class _Kernels:
         self.prefill_f32.argtypes = _PREFILL_ARGTYPES
         self.prefill_f32.restype = _c_int
         self.f32_prefill_supported = bool(lib.prefill_f32_supported())
+        self.prefill_i8_f32 = lib.prefill_attention_i8_f32
+        self.prefill_i8_f32.argtypes = _PREFILL_ARGTYPES
+        self.prefill_i8_f32.restype = _c_int
+        self.i8_prefill_supported = bool(lib.prefill_i8_f32_supported())
         self.write_kv = lib.write_kv_cache
         self.write_kv.argtypes = _WRITE_ARGTYPES
         self.write_kv.restype = _c_int
@@ -246,6 +250,13 @@ def prefill_f32_available() -> bool:
     return kernels is not None and kernels.f32_prefill_supported
 
 
+def prefill_int8_available() -> bool:
+    """Whether the float32 prefill kernel reads int8 caches in place here (AVX512-VNNI
+    builds: prefill_attention_i8_f32); elsewhere callers dequantize the context first."""
+    kernels = _get_kernels()
+    return kernels is not None and kernels.i8_prefill_supported
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -263,7 +274,10 @@ def prefill_attention(
 
     q: [q_len, H, D] (token stride free, heads contiguous), the queries at positions
     k_len - q_len .. k_len - 1; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
-    contiguous, holding all k_len keys (the chunk's own included); block_table: int32
+    contiguous, holding all k_len keys (the chunk's own included), of q's dtype, or for
+    float32 q int8 rows [..., D + 4] (`sarazmq.kernels.kv_int8`) where
+    `prefill_int8_available` (the keys' dot products exact in integers against each
+    query row rounded to int16, within ~1e-5 of the float path); block_table: int32
     block ids of the sequence; out: [q_len, H, D] like q (token stride free);
     scratch: optional buffer of q's dtype, >= `prefill_scratch_elems` elements.
     kernel: for bf16, "amx" (matmuls on AMX tiles, prefill_amx.c) or "avx512" (VDPBF16PS
@@ -278,8 +292,14 @@ def prefill_attention(
     if kernels is None or q.device.type != "cpu" or kernel not in _DTYPE_KERNELS.get(q.dtype, ()):
         return False
     q_len, h, d = q.shape
+    int8_rows = (
+        k_cache.dtype == torch.int8
+        and k_cache.shape[-1] == d + INT8_SCALE_BYTES
+        and q.dtype == torch.float32
+        and kernels.i8_prefill_supported
+    )
     if (
-        k_cache.dtype != q.dtype
+        (k_cache.dtype != q.dtype and not int8_rows)
         or out.dtype != q.dtype
         or out.shape != q.shape
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
@@ -321,7 +341,9 @@ def prefill_attention(
         scratch.data_ptr(),
     )
     rc = -1
-    if q.dtype == torch.float32:
+    if int8_rows:
+        rc = kernels.prefill_i8_f32(*args)
+    elif q.dtype == torch.float32:
         rc = kernels.prefill_f32(*args)
     elif kernel != "avx512" and kernels.amx_supported:
         rc = kernels.prefill_amx(*args)

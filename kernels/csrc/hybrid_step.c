@@ -60,10 +60,11 @@ enum {
  *
  * attend_<SUF>: over caches of the model's dtype. attend_int8_<SUF>: over int8 caches
  * (kv_int8.c's rows): the rows quantized into the caches, the decodes' int8 paged
- * attention, and each chunk's context blocks dequantized to the model's dtype (kv_dequant:
- * K's blocks, then V's) for the prefill kernel, which reads them as a cache of their own
+ * attention, and each chunk through PREFILL_I8 where it is built (the int8 cache read in
+ * place), else its context blocks dequantized to the model's dtype (kv_dequant: K's
+ * blocks, then V's) for the prefill kernel, which reads them as a cache of their own
  * (blocks `identity`). */
-#define DEFINE_ATTEND(SUF, T, PREFILL, IS_BF16)                                                \
+#define DEFINE_ATTEND(SUF, T, PREFILL, IS_BF16, PREFILL_I8, PREFILL_I8_BUILT)                 \
     static void attend_##SUF(const void *const *p, T *qkv, T *attn, const int64_t *slots,      \
                              const int32_t *tables, long table_stride, const int32_t *q_lens,  \
                              const int32_t *k_lens, int num_seqs, int num_decodes, int rows,   \
@@ -103,6 +104,15 @@ enum {
                                             attn, num_decodes, H, Hkv, D, block_size, scale,   \
                                             num_blocks);                                       \
         long row = num_decodes, longest = 0;                                                   \
+        if (PREFILL_I8_BUILT) { /* the chunks straight from the int8 cache */                  \
+            for (int i = num_decodes; i < num_seqs; i++) {                                     \
+                PREFILL_I8(qkv + row * qkv_n, qkv_n, kc, vc, tables + (long)i * table_stride,  \
+                           q_lens[i], k_lens[i], H, Hkv, D, block_size, scale,                 \
+                           attn + row * q_n, q_n, num_blocks, scratch);                        \
+                row += q_lens[i];                                                              \
+            }                                                                                  \
+            return;                                                                            \
+        }                                                                                      \
         for (int i = num_decodes; i < num_seqs; i++) {                                         \
             const long n = (k_lens[i] + block_size - 1) / block_size;                          \
             longest = n > longest ? n : longest;                                               \
@@ -118,8 +128,13 @@ enum {
             row += q_lens[i];                                                                  \
         }                                                                                      \
     }
-DEFINE_ATTEND(bf16, uint16_t, prefill_attention_amx_bf16, 1)
-DEFINE_ATTEND(f32, float, prefill_attention_f32, 0)
+/* the float32 step's chunks read int8 caches in place where the build has the kernel
+ * (prefill_attention_i8_f32, as CpuPagedAttention does per op); the bf16 step's always
+ * through the dequantized context */
+#define NO_PREFILL_I8(...) (void)0
+DEFINE_ATTEND(bf16, uint16_t, prefill_attention_amx_bf16, 1, NO_PREFILL_I8, 0)
+DEFINE_ATTEND(f32, float, prefill_attention_f32, 0, prefill_attention_i8_f32,
+              prefill_i8_f32_supported())
 
 /* The checks both steps make before anything is written: 0 fine; -1 a size or batch
  * layout not taken (decodes of one row first, then chunks of >= 1 rows, T rows in all;

@@ -190,6 +190,12 @@ int prefill_attention_f32(const float *q, long q_stride, const float *k_cache,
                           const float *v_cache, const int32_t *table, int q_len, int k_len,
                           int H, int Hkv, int D, int block_size, float scale, float *out,
                           long out_stride, long num_blocks, float *scratch);
+/* the same over an int8 cache read in place (AVX512-VNNI builds; -1 elsewhere) */
+int prefill_i8_f32_supported(void);
+int prefill_attention_i8_f32(const float *q, long q_stride, const int8_t *k_cache,
+                             const int8_t *v_cache, const int32_t *table, int q_len, int k_len,
+                             int H, int Hkv, int D, int block_size, float scale, float *out,
+                             long out_stride, long num_blocks, float *scratch);
 
 /* argmax.c */
 void argmax_rows_f32(const float *x, long x_stride, long rows, long cols, int64_t *out);
