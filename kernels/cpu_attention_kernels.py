@@ -276,8 +276,9 @@ def prefill_attention(
     k_len - q_len .. k_len - 1; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     contiguous, holding all k_len keys (the chunk's own included), of q's dtype, or for
     float32 q int8 rows [..., D + 4] (`sarazmq.kernels.kv_int8`) where
-    `prefill_int8_available` (the keys' dot products exact in integers against each
-    query row rounded to int16, within ~1e-5 of the float path); block_table: int32
+    `prefill_int8_available` (both products exact in integers: the keys against each
+    query row rounded to int16, the values against each step's probabilities rounded to
+    int16; within ~1e-5 of the float path over the dequantized cache); block_table: int32
     block ids of the sequence; out: [q_len, H, D] like q (token stride free);
     scratch: optional buffer of q's dtype, >= `prefill_scratch_elems` elements.
     kernel: for bf16, "amx" (matmuls on AMX tiles, prefill_amx.c) or "avx512" (VDPBF16PS

@@ -1,8 +1,8 @@
 """The float32 prefill kernel reading an int8 KV cache in place
-(kernels/csrc/prefill_attention_f32.c, prefill_attention_i8_f32; AVX512-VNNI builds): the
-keys' dot products exact in integers against each query row rounded to int16. Checked
-against the same kernel over the dequantized cache (the path taken elsewhere) and against
-the torch reference over the dequantized keys and values."""
+(kernels/csrc/prefill_attention_f32.c, prefill_attention_i8_f32; AVX512-VNNI builds): both
+products exact in integers, against the query rows and the probabilities rounded to int16.
+Checked against the same kernel over the dequantized cache (the path taken elsewhere) and
+against the torch reference over the dequantized keys and values."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def test_int8_cache_prefill_matches_the_dequantized_path(
     head_dim: int, heads: tuple[int, int], lens: tuple[int, int], block_size: int
 ) -> None:
     got, deq, ref = _case(*lens, heads, head_dim, block_size)
-    # a query element rounded to int16 moves by at most 1 / 65,534 of its row's largest:
-    # ~1e-5 on these unit-scale scores, a hundredth of what the int8 keys themselves move
+    # a query element or a probability rounded to int16 moves by at most 1 / 65,534 of
+    # its row's largest: ~1e-5 here, a hundredth of what the int8 rows themselves move
     torch.testing.assert_close(got, deq, atol=1.5e-4, rtol=1e-3)
     torch.testing.assert_close(got, ref, atol=1.5e-4, rtol=1e-3)
 
@@ -73,7 +73,7 @@ def test_int8_cache_prefill_long_chunk_error_is_far_below_the_caches() -> None:
     torch.testing.assert_close(got, deq, atol=1.5e-4, rtol=1e-3)
     torch.testing.assert_close(got, ref, atol=1.5e-4, rtol=1e-3)
     # against attention over the float keys and values (before the int8 cache): the
-    # query's int16 rounding adds under a tenth of what the cache's int8 rows cost
+    # int16 roundings add under a tenth of what the cache's int8 rows cost
     q, k, v, _, _, meta, k_full, v_full = _scenario(
         [(q_len, k_len)], *heads, d, 16, seed=q_len * 7 + k_len
     )

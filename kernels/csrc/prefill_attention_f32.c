@@ -17,6 +17,9 @@
  * update per row, then the probabilities times the V rows into the rows' output
  * accumulators (in L1: PF_ROWS rows x D floats, two vectors of columns at a time).
  *
+ * prefill_attention_i8_f32 runs the same phase 2 over an int8 cache read in place (AVX512-
+ * VNNI builds): K and V packed as int16 pairs, the products in integers (prefill_int8.h).
+ *
  * One source for two widths: 8-lane vectors on AVX2 builds (6 rows: 12 accumulators, the
  * most AVX2's 16 registers hold beside the key vectors and a broadcast; with fewer, the
  * FMA latency bounds it) and 16-lane ones on AVX-512 builds (12 rows: 12 score and 24
@@ -143,84 +146,7 @@ static void pack_run_f32(const float *k_cache, const float *v_cache, const int32
         memcpy(vp + (8 * half + t) * D, vrow[t], sizeof(float) * (size_t)D);
 }
 
-#if defined(INT8_DPBUSD512)
-/* int8 caches (kv_int8.c's rows: D int8 values, then their float32 scale), AVX512-VNNI:
- * the keys stay integers. Keys 16 piece .. 16 piece + 15 of KV head h: K as int16 pairs
- * [D/2][16] (32-bit word p of lane t: dims 2p, 2p + 1 of key t), their scales dk[16], V
- * dequantized into vp [16][D] (q * s in float32, dequantize_kv_blocks_int8_f32's bits);
- * keys past k_len zeros. */
-static void pack_piece_i8(const int8_t *k_cache, const int8_t *v_cache, const int32_t *table,
-                          int k_len, int piece, int h, int Hkv, int D, int block_size,
-                          int32_t *kp, float *dk, float *vp) {
-    const long row = (long)D + 4, tok_stride = (long)Hkv * row;
-    const long block_elems = (long)block_size * tok_stride;
-    for (int t = 0; t < PF_PIECE; t++) {
-        const int j = piece * PF_PIECE + t;
-        float *vt = vp + (long)t * D;
-        if (j >= k_len) {
-            for (int p = 0; p < D / 2; p++) kp[p * PF_PIECE + t] = 0;
-            dk[t] = 0.0f;
-            memset(vt, 0, sizeof(float) * (size_t)D);
-            continue;
-        }
-        const long base = (long)table[j / block_size] * block_elems +
-                          (long)(j % block_size) * tok_stride + (long)h * row;
-        const int8_t *kr = k_cache + base, *vr = v_cache + base;
-        __attribute__((aligned(64))) int32_t pairs[PF_MAX_D / 2];
-        for (int d = 0; d < D; d += 32)
-            _mm512_store_si512(pairs + d / 2, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + d))));
-        for (int p = 0; p < D / 2; p++) kp[p * PF_PIECE + t] = pairs[p];
-        float sv;
-        memcpy(&dk[t], kr + D, sizeof(float));
-        memcpy(&sv, vr + D, sizeof sv);
-        const __m512 svv = _mm512_set1_ps(sv);
-        for (int d = 0; d < D; d += 16)
-            _mm512_storeu_ps(vt + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                       _mm_loadu_si128((const __m128i *)(vr + d)))),
-                                                   svv));
-    }
-}
-
-/* A query row as int16: q16 = round(q * 32767 / max|q|), returned scale max|q| / 32767
- * (0 and zeros for a zero row): within 1 / 65534 of max|q| per element, where the cache's
- * int8 keys are within 1 / 254 of theirs. */
-static inline float quantize_q16(const float *q, int D, int16_t *q16) {
-    __m512 mx = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
-    const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-    for (int d = 0; d < D; d += 16)
-        _mm256_store_si256((__m256i *)(q16 + d),
-                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv))));
-    return amax / 32767.0f;
-}
-
-/* The scores of the PF_ROWS int16 rows q16[r] against the packed int8 piece k, each dot
- * product exact in int32 (VPDPWSSD: two dims a lane, |sum| <= 128 * 127 * 32767 < 2^31),
- * times the key's scale and the row's (rs[r]: its q16 scale times the softmax scale). */
-static inline __attribute__((always_inline)) void scores16_i16(
-    const int D, const int16_t (*q16)[PF_MAX_D], const float *rs, const int32_t *k,
-    const float *dk, float s[][PF_STEP], int col) {
-    __m512i a[PF_ROWS];
-#pragma GCC unroll 12
-    for (int r = 0; r < PF_ROWS; r++) a[r] = _mm512_setzero_si512();
-    for (int p = 0; p < D / 2; p++) {
-        const __m512i kv = _mm512_load_si512(k + p * PF_PIECE);
-#pragma GCC unroll 12
-        for (int r = 0; r < PF_ROWS; r++) {
-            int32_t pair;
-            memcpy(&pair, q16[r] + 2 * p, sizeof pair);
-            a[r] = _mm512_dpwssd_epi32(a[r], kv, _mm512_set1_epi32(pair));
-        }
-    }
-    const __m512 kscale = _mm512_load_ps(dk);
-#pragma GCC unroll 12
-    for (int r = 0; r < PF_ROWS; r++)
-        pf_store(s[r] + col, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), kscale),
-                                           _mm512_set1_ps(rs[r])));
-}
-#define HAVE_PREFILL_I8 1
-#endif
+#include "prefill_int8.h"
 
 /* The scores of the PF_ROWS rows qr[r] against the packed piece k ([D][16]), scaled, into
  * s[r][col .. col + 15]. */
@@ -276,8 +202,8 @@ static inline __attribute__((always_inline)) void add_pv(const int D, const floa
  * PF_STEP keys a step (the last step only as many 16-key pieces as reach that position):
  * scores, one online-softmax update per row and step, then the V rows. */
 static inline __attribute__((always_inline)) void prefill_rows_f32(
-    const int D, const int I16, const float *q, long q_stride, const void *kp, const float *dk,
-    const float *vp, int q0, int nr, int ctx, int hq, float scale, float *out,
+    const int D, const int I16, const float *q, long q_stride, const void *kp, const void *vp,
+    const float *dk, const float *dv, int q0, int nr, int ctx, int hq, float scale, float *out,
     long out_stride) {
     __attribute__((aligned(64))) float o[PF_ROWS][PF_MAX_D];
     __attribute__((aligned(64))) float sp[PF_ROWS][PF_STEP]; /* scores, then probabilities */
@@ -299,7 +225,7 @@ static inline __attribute__((always_inline)) void prefill_rows_f32(
     if (I16)
         for (int r = 0; r < PF_ROWS; r++) rs[r] = quantize_q16(qr[r], D, q16[r]) * scale;
 #else
-    (void)I16, (void)dk;
+    (void)I16, (void)dk, (void)dv;
 #endif
     const int last = pos[PF_ROWS - 1];
     const pf_vec sc = pf_set1(scale), lane = pf_lane_index();
@@ -345,7 +271,17 @@ static inline __attribute__((always_inline)) void prefill_rows_f32(
             }
             l[r] += pf_hadd(sum);
         }
-        const float *vs = vp + (long)key0 * D;
+#if defined(HAVE_PREFILL_I8)
+        if (I16) {
+            __attribute__((aligned(64))) int32_t pp[PF_ROWS][PF_STEP / 2];
+            float ps[PF_ROWS];
+            for (int r = 0; r < PF_ROWS; r++) ps[r] = quantize_p16(sp[r], dv + key0, n, pp[r]);
+            const int32_t *vs = (const int32_t *)vp + (long)key0 / 2 * D;
+            for (int j = 0; j < D; j += 32) add_pv_i16(D, vs, n, pp, ps, o, j);
+            continue;
+        }
+#endif
+        const float *vs = (const float *)vp + (long)key0 * D;
         for (int j = 0; j < D; j += 2 * PF_LANES) add_pv(D, vs, n, sp, o, j);
     }
     for (int r = 0; r < nr && r < PF_ROWS; r++) {
@@ -358,30 +294,29 @@ static inline __attribute__((always_inline)) void prefill_rows_f32(
 
 #if defined(HAVE_PREFILL_F32)
 /* Phase 2 of both entries: work items of PF_ROWS query rows of one query head over its KV
- * head's packed keys (kp: k_head units a head, floats or, I16, int32 pairs; dk: the int8
- * keys' scales, PF_PIECE-padded keys a head) and V rows (v_head floats a head). */
-static void prefill_items(const int I16, const float *q, long q_stride, const void *kp,
-                          long k_head, const float *dk, const float *vp, long v_head, int q_len,
-                          int ctx, int H, int G, int D, float scale, float *out,
-                          long out_stride) {
-    const int groups = (q_len + PF_ROWS - 1) / PF_ROWS;
-    const long dk_head = v_head / D;
+ * head's packed keys and values (kp, vp: k_head, v_head 4-byte words a head, floats or,
+ * I16, int16 pairs; dk, dv: the int8 rows' scales, PF_PIECE-padded keys a head). */
+static void prefill_items(const int I16, const float *q, long q_stride, const float *kp,
+                          long k_head, const float *vp, long v_head, const float *dk,
+                          const float *dv, int q_len, int k_len, int H, int G, int D,
+                          float scale, float *out, long out_stride) {
+    const int groups = (q_len + PF_ROWS - 1) / PF_ROWS, ctx = k_len - q_len;
+    const long s_head = (k_len + PF_PIECE - 1) / PF_PIECE * PF_PIECE;
     /* latest rows first: they have the most keys, so the dynamic schedule ends balanced */
 #pragma omp parallel for schedule(dynamic, 1)
     for (long it = 0; it < (long)H * groups; it++) {
         const int grp = groups - 1 - (int)(it / H), hq = (int)(it % H), h = hq / G;
         const int q0 = grp * PF_ROWS, nr = q_len - q0 < PF_ROWS ? q_len - q0 : PF_ROWS;
-        const void *kh = I16 ? (const void *)((const int32_t *)kp + h * k_head)
-                             : (const void *)((const float *)kp + h * k_head);
-        const float *dkh = I16 ? dk + h * dk_head : NULL, *vh = vp + h * v_head;
+        const float *kh = kp + h * k_head, *vh = vp + h * v_head;
+        const float *dkh = I16 ? dk + h * s_head : NULL, *dvh = I16 ? dv + h * s_head : NULL;
         if (I16 && D == 64)
-            prefill_rows_f32(64, 1, q, q_stride, kh, dkh, vh, q0, nr, ctx, hq, scale, out, out_stride);
+            prefill_rows_f32(64, 1, q, q_stride, kh, vh, dkh, dvh, q0, nr, ctx, hq, scale, out, out_stride);
         else if (I16)
-            prefill_rows_f32(128, 1, q, q_stride, kh, dkh, vh, q0, nr, ctx, hq, scale, out, out_stride);
+            prefill_rows_f32(128, 1, q, q_stride, kh, vh, dkh, dvh, q0, nr, ctx, hq, scale, out, out_stride);
         else if (D == 64)
-            prefill_rows_f32(64, 0, q, q_stride, kh, NULL, vh, q0, nr, ctx, hq, scale, out, out_stride);
+            prefill_rows_f32(64, 0, q, q_stride, kh, vh, NULL, NULL, q0, nr, ctx, hq, scale, out, out_stride);
         else
-            prefill_rows_f32(128, 0, q, q_stride, kh, NULL, vh, q0, nr, ctx, hq, scale, out, out_stride);
+            prefill_rows_f32(128, 0, q, q_stride, kh, vh, NULL, NULL, q0, nr, ctx, hq, scale, out, out_stride);
     }
 }
 #endif
@@ -407,7 +342,7 @@ int prefill_attention_f32(const float *q, long q_stride, const float *k_cache,
     const int rc = prefill_check(table, q_len, k_len, H, Hkv, D, block_size, num_blocks);
     if (rc != 0) return rc;
     if (((uintptr_t)scratch & 63) != 0) return -1; /* aligned vector loads */
-    const int G = H / Hkv, runs = (k_len + 15) / 16 * 2, ctx = k_len - q_len;
+    const int G = H / Hkv, runs = (k_len + 15) / 16 * 2;
     const long run_elems = 8L * D; /* floats per packed run (K or V) */
     float *kp = scratch, *vp = kp + (long)Hkv * runs * run_elems;
 #pragma omp parallel for schedule(static)
@@ -417,8 +352,8 @@ int prefill_attention_f32(const float *q, long q_stride, const float *k_cache,
         pack_run_f32(k_cache, v_cache, table, k_len, run, h, Hkv, D, block_size,
                      kp + (it - it % 2) * run_elems, vp + (it - it % 2) * run_elems);
     }
-    prefill_items(0, q, q_stride, kp, (long)runs * run_elems, NULL, vp, (long)runs * run_elems,
-                  q_len, ctx, H, G, D, scale, out, out_stride);
+    prefill_items(0, q, q_stride, kp, (long)runs * run_elems, vp, (long)runs * run_elems, NULL,
+                  NULL, q_len, k_len, H, G, D, scale, out, out_stride);
     return 0;
 #else
     PREFILL_NOT_BUILT();
@@ -435,11 +370,11 @@ int prefill_i8_f32_supported(void) {
 
 /* prefill_attention_f32 over an int8 cache (kv_int8.c's rows, [num_blocks, block_size, Hkv,
  * D + 4]) read in place, on AVX512-VNNI builds (-1 elsewhere: the caller dequantizes the
- * context and runs prefill_attention_f32). The key dot products are exact integer sums of
- * the int8 keys times each query row quantized to int16 (quantize_q16), scaled by both;
- * the softmax and the V rows (dequantized as dequantize_kv_blocks_int8_f32 does) are
- * prefill_attention_f32's. scratch: prefill_attention_f32's size (the int16 keys and
- * their scales take the first half, the V rows the second), 64-byte aligned. */
+ * context and runs prefill_attention_f32). Both products are exact integer sums: the int8
+ * keys times each query row rounded to int16 (quantize_q16), and the int8 values times
+ * each step's probabilities (with their V rows' scales) rounded to int16 (quantize_p16);
+ * the softmax is prefill_attention_f32's. scratch: prefill_attention_f32's size or more
+ * (the int16 pairs of K and V, then the rows' scales), 64-byte aligned. */
 int prefill_attention_i8_f32(const float *q, long q_stride, const int8_t *k_cache,
                              const int8_t *v_cache, const int32_t *table, int q_len, int k_len,
                              int H, int Hkv, int D, int block_size, float scale, float *out,
@@ -448,19 +383,20 @@ int prefill_attention_i8_f32(const float *q, long q_stride, const int8_t *k_cach
     const int rc = prefill_check(table, q_len, k_len, H, Hkv, D, block_size, num_blocks);
     if (rc != 0) return rc;
     if (((uintptr_t)scratch & 63) != 0) return -1; /* aligned vector loads */
-    const int G = H / Hkv, pieces = (k_len + PF_PIECE - 1) / PF_PIECE, ctx = k_len - q_len;
-    const long head_keys = (long)pieces * PF_PIECE;
-    int32_t *kp = (int32_t *)scratch;                 /* [Hkv][pieces][D/2][16] */
-    float *dk = (float *)(kp + Hkv * head_keys * (D / 2)); /* [Hkv][pieces][16] */
-    float *vp = scratch + Hkv * head_keys * D;        /* [Hkv][pieces][16][D] */
+    const int G = H / Hkv, pieces = (k_len + PF_PIECE - 1) / PF_PIECE;
+    const long head_keys = (long)pieces * PF_PIECE, words = Hkv * head_keys * (D / 2);
+    /* [Hkv][pieces] of: K pairs [D/2][16], V pairs [8][D] (words), then the scales [16] */
+    int32_t *kp = (int32_t *)scratch, *vp = kp + words;
+    float *dk = (float *)(vp + words), *dv = dk + Hkv * head_keys;
 #pragma omp parallel for schedule(static)
     for (long it = 0; it < (long)Hkv * pieces; it++) {
         const int h = (int)(it / pieces), piece = (int)(it % pieces);
         pack_piece_i8(k_cache, v_cache, table, k_len, piece, h, Hkv, D, block_size,
-                      kp + it * PF_PIECE * (D / 2), dk + it * PF_PIECE, vp + it * PF_PIECE * D);
+                      kp + it * PF_PIECE * (D / 2), dk + it * PF_PIECE, vp + it * PF_PIECE * (D / 2),
+                      dv + it * PF_PIECE);
     }
-    prefill_items(1, q, q_stride, kp, head_keys * (D / 2), dk, vp, head_keys * D, q_len, ctx,
-                  H, G, D, scale, out, out_stride);
+    prefill_items(1, q, q_stride, (const float *)kp, head_keys * (D / 2), (const float *)vp,
+                  head_keys * (D / 2), dk, dv, q_len, k_len, H, G, D, scale, out, out_stride);
     return 0;
 #else
     PREFILL_NOT_BUILT();
