@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .cpu_attention_kernels import prefill_scratch_elems
+from .cpu_attention_kernels import prefill_int8_available, prefill_scratch_elems
 from .cpu_ops import GEMV_MAX_ROWS_TILES
 from .decode_step import (
     KV_SLOTS,
@@ -221,10 +221,10 @@ class HybridStep:
 
     def _dequant_buffers(self, chunk_k: Sequence[int]) -> tuple[int, int]:
         """Int8 caches: pointers to the room (in the model's dtype) for the longest chunk's
-        context blocks
-        (K's, then V's) and to the block ids 0, 1, ... that the prefill kernel reads them
-        by; (0, 0) for bf16 caches or no chunk."""
-        if not self.kv_int8 or not chunk_k:
+        context blocks (K's, then V's) and to the block ids 0, 1, ... that the prefill
+        kernel reads them by; (0, 0) for bf16 caches, no chunk, or the float32 step where
+        the prefill kernel reads the int8 cache in place (`prefill_int8_available`)."""
+        if not self.kv_int8 or not chunk_k or (self.kind == "int8" and prefill_int8_available()):
             return 0, 0
         longest = -(-max(chunk_k) // self.block_size)
         rows = longest * self.block_size * self.num_kv_heads * self.head_dim

@@ -26,7 +26,8 @@
  * longest chunk (2 * Hkv * ceil(k_len / 64) * 64 * D), 64-byte aligned. kv_int8 = 1: the caches hold
  * kv_int8.c's int8 rows ([num_blocks, block_size, Hkv, D + 4]), kv_dequant 2 * ceil(k_len /
  * block_size) * block_size * Hkv * D elements for the longest chunk and identity the block
- * ids 0, 1, ... as many (attend_int8_<dtype>). Returns 0; -1 where a size or this machine
+ * ids 0, 1, ... as many (attend_int8_<dtype>; both unused, may be NULL, in the float32 step
+ * where prefill_i8_f32_supported()). Returns 0; -1 where a size or this machine
  * is not covered (nothing written); -2 where a slot, length or block id lies outside the
  * cache (nothing written). */
 #include <string.h>
