@@ -59,6 +59,8 @@ def test_operands_not_taken_write_nothing() -> None:
     assert rms_norm_quantize(torch.randn(3, 64).bfloat16(), torch.ones(64).bfloat16(), 1e-5) is None
     assert rms_norm_quantize(torch.randn(3, 64), torch.ones(32), 1e-5) is None  # weight size
     res = torch.randn(2, 64)
+    res_before = res.clone()
     assert rms_norm_quantize(torch.randn(3, 64), torch.ones(64), 1e-5, res) is None
+    assert torch.equal(res, res_before)  # a residual of the wrong shape is left untouched
     assert silu_mul_quantize(torch.randn(2, 96)) is None  # inter 48
     assert silu_mul_quantize(torch.randn(2, 128).t().contiguous().t()) is None  # column stride
